@@ -1,0 +1,3 @@
+from spectrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,238 @@
+"""The frozen target: any Hugging Face causal LM, used as a feature extractor and verifier.
+
+We never fork modelling code. Features come from forward hooks on the model's own modules:
+- "input of decoder layer L" (the EAGLE / vLLM aux-layer convention) = a pre-hook on layers[L];
+- the last layer's *pre-norm* output = a pre-hook on the final norm (``hidden_states[-1]`` in
+  current transformers is already normed, so it cannot be used for that);
+- the final normed hidden state = a hook on the final norm's output.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:
+    """'auto' means bf16 on CUDA and fp32 elsewhere (CPU bf16 matmuls are slow and lossy)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(sorted(DTYPES))}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor | None
+    aux_hidden: list[torch.Tensor] = field(default_factory=list)  # inputs of the requested layers
+    last_hidden: torch.Tensor | None = None  # last decoder layer output, BEFORE the final norm
+    final_hidden: torch.Tensor | None = None  # after the final norm (what lm_head sees)
+    cache: object | None = None
+
+
+class FrozenTarget:
+    """A frozen, eval-mode HF causal LM with its tokenizer and hook-based feature taps."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, name_or_path: str | None = None):
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "")
+        self.layers = _decoder_layers(model)
+        self.norm = _final_norm(model)
+        self.lm_head = model.get_output_embeddings()
+        self.embed_tokens = model.get_input_embeddings()
+        if self.lm_head is None or self.embed_tokens is None:
+            raise ValueError(f"{type(model).__name__} has no input/output embeddings; not a causal LM?")
+        # transformers >= 5.2x renamed `past_key_values` to `cache`; accept both.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # ---- facts -------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed_tokens.weight.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    def default_aux_layers(self) -> list[int]:
+        """EAGLE/vLLM convention: inputs of layers [2, N//2, N-3]."""
+        n = self.num_layers
+        ids = [2, n // 2, n - 3]
+        if n < 6 or len(set(ids)) < 3:
+            # Tiny targets: spread three distinct layers as evenly as the depth allows.
+            ids = sorted({min(max(1, n // 4), n - 1), n // 2, max(n - 2, 1)})
+        return ids
+
+    def validate_aux_layers(self, ids) -> list[int]:
+        n = self.num_layers
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if i >= n:
+                raise ValueError(
+                    f"aux layer id {i} is out of range for a target with {n} layers: ids are *inputs* of "
+                    f"decoder layers, valid 0..{n - 1}; id {n} would be the final layer's output, which is "
+                    f"the teacher signal and must not be an aux layer. Default: {self.default_aux_layers()}"
+                )
+            if i < 0:
+                raise ValueError(f"aux layer id {i} is negative; use explicit ids in 0..{n - 1}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"aux layer ids {ids} contain duplicates")
+        return ids
+
+    # ---- compute -----------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def logits_from_last_hidden(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """Rebuild teacher logits from the pre-norm last hidden state with the frozen norm + lm_head."""
+        return self.lm_head(self.norm(last_hidden.to(self.dtype)))
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache=None,
+        aux_layers=(),
+        want_last_hidden: bool = False,
+        want_final_hidden: bool = False,
+        want_logits: bool = True,
+        use_cache: bool | None = None,
+    ) -> TargetOutput:
+        captured: dict = {}
+        handles = []
+        for li in aux_layers:
+            handles.append(self.layers[li].register_forward_pre_hook(_capture_input(captured, li), with_kwargs=True))
+        if want_last_hidden:
+            handles.append(self.norm.register_forward_pre_hook(_capture_input(captured, "last"), with_kwargs=True))
+        if want_final_hidden or not want_logits:
+            handles.append(self.norm.register_forward_hook(_capture_output(captured, "final")))
+        try:
+            kwargs = dict(attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=cache is not None if use_cache is None else use_cache)
+            if cache is not None:
+                kwargs[self._cache_kw] = cache
+            if want_logits:
+                out = self.model(input_ids, **kwargs)
+                logits = out.logits
+            else:  # skip the (large) vocab projection
+                out = self.model.get_decoder()(input_ids, **kwargs)
+                logits = None
+        finally:
+            for h in handles:
+                h.remove()
+        new_cache = getattr(out, self._cache_kw, None)
+        return TargetOutput(
+            logits=logits,
+            aux_hidden=[captured[li] for li in aux_layers],
+            last_hidden=captured.get("last"),
+            final_hidden=captured.get("final"),
+            cache=new_cache if new_cache is not None else cache,
+        )
+
+    __call__ = forward
+
+
+def _capture_input(store: dict, key):
+    def hook(module, args, kwargs):
+        h = args[0] if args else kwargs["hidden_states"]
+        store[key] = h.detach()
+
+    return hook
+
+
+def _capture_output(store: dict, key):
+    def hook(module, args, output):
+        store[key] = (output[0] if isinstance(output, tuple) else output).detach()
+
+    return hook
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(decoder, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(
+        f"cannot find the decoder layers of {type(model).__name__} (looked for .layers/.h/.blocks on its "
+        "decoder); spectrain supports decoder-only HF causal LMs"
+    )
+
+
+def _final_norm(model: nn.Module) -> nn.Module:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    for name in ("norm", "final_layernorm", "ln_f"):
+        norm = getattr(decoder, name, None)
+        if isinstance(norm, nn.Module):
+            return norm
+    raise ValueError(f"cannot find the final norm of {type(model).__name__} (looked for norm/final_layernorm/ln_f)")
+
+
+def load_target(
+    name_or_path: str,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = None,
+    device_map=None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> FrozenTarget:
+    """Load any HF causal LM (hub id or local dir) frozen, in eval mode, with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_dtype = resolve_dtype(dtype, device)
+    kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    except OSError as e:
+        raise OSError(
+            f"could not load target {name_or_path!r}: {e}\nGive a local HF model directory or a hub id "
+            "(hub access needs network; the bundled reference target is assets/reference-target)."
+        ) from e
+    if device_map is None:
+        model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    return FrozenTarget(model, tokenizer, name_or_path=str(name_or_path))

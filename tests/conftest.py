@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny random HF models of several architectures, built in-process (no hub)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ARCHS = ("llama", "qwen2", "mistral")
+
+
+def make_tiny_model(arch: str = "llama", tied: bool = False, vocab_size: int = 128, layers: int = 8,
+                    hidden: int = 32, seed: int = 0, max_positions: int = 256):
+    """A deterministic random causal LM. 8 layers so EAGLE-3's low/mid/high layers are distinct."""
+    import transformers as tf
+
+    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+           "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+           "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+           "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[arch]
+    cfg = cls[0](vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=max_positions, tie_word_embeddings=tied,
+                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = cls[1](cfg).eval()
+    # Random init gives near-uniform logits; sharpen them so greedy/sampling tests see peaked,
+    # realistic distributions (and ties are impossible).
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+def make_tiny_target(arch: str = "llama", tied: bool = False, **kw):
+    from spectrain.target import FrozenTarget
+
+    return FrozenTarget(make_tiny_model(arch, tied, **kw), tokenizer=None, name_or_path=f"tiny-{arch}")
+
+
+@pytest.fixture(params=ARCHS)
+def tiny_target(request):
+    return make_tiny_target(request.param)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
