@@ -5,13 +5,22 @@ Decoding loop contract (spectrain.decoding.speculative_generate):
 1. ``begin(prompt)`` once per sequence (reset caches / indexes).
 2. Repeatedly ``propose(ctx)`` -> ``Proposal``; the target verifies it in one forward pass.
 3. ``commit(accepted)`` tells the drafter which proposal nodes were accepted, so it can roll its
-   own state (KV cache, tree buffers) back to the accepted prefix.
+   own state (KV cache, tree buffers) back to the accepted prefix. The token the target emitted
+   after them (bonus / correction) is not a proposal node: it shows up as the last entry of the
+   next ``ctx.tokens``. ``commit`` is called after every ``propose`` (also with ``[]``).
 
-``DraftContext.tokens`` is always the full committed sequence (prompt + emitted tokens). Target
-features lag the tokens by one: after each verification the decoder hands over the target's
-hidden states for every committed position whose features the drafter has not yet received
-(the last committed token, the bonus/corrected one, has none yet). Head drafters (EAGLE-3 /
-Medusa) declare what they need with ``aux_layers`` / ``needs_final_hidden``.
+``DraftContext.tokens`` is always the full committed sequence (prompt + emitted tokens), length L.
+
+Target features (head drafters) lag the tokens by one: the drafter has, in total, received rows
+for positions ``0 .. L-2`` when ``propose`` is called — every committed token except the newest one
+(the bonus / corrected token, which the target has not processed yet). ``ctx.features`` holds only
+the rows that are new since the previous ``propose`` (``features.start`` = index in ``ctx.tokens``
+of its first row; rows are consecutive positions); concatenate them onto what you kept. The first
+``propose`` of a sequence gets rows ``0 .. L-2`` of the prompt (``None`` for a 1-token prompt).
+Row j of ``aux`` is ``cat([input of layer a][pos] for a in aux_layers], -1)`` (in the order of
+``aux_layers``), row j of ``final_hidden`` the target's normed last hidden state at that position,
+both exactly what a from-scratch target forward over ``ctx.tokens`` would give. Head drafters
+declare what they need with ``aux_layers`` / ``needs_final_hidden``; nothing is computed otherwise.
 """
 
 from __future__ import annotations
@@ -45,9 +54,24 @@ class DraftContext:
 
 @dataclass
 class Proposal:
+    """A chain (``parents=None``) or a tree of drafted tokens.
+
+    Trees: ``parents[i] < i`` (topological order), -1 = child of the last committed token; nodes
+    deeper than ``ctx.k`` are dropped. Siblings are verified in index order, so put the likeliest first.
+
+    ``probs`` (sampling only; ignored when greedy). ``None`` means deterministic drafts (e.g. top-k
+    or n-gram): q = one-hot, always exact, acceptance = p(x). Otherwise ``probs[i]`` must be the
+    distribution node i was actually *drawn* from (same warp as ``ctx.sampler``), given the path to
+    it and its earlier siblings; the tree shape may depend only on those earlier draws, not on later
+    ones. Siblings drawn i.i.d. from one q: give that q for each. Siblings drawn *without
+    replacement*: give the parent's q for each and set ``without_replacement=True``; the verifier
+    zeroes the earlier siblings' tokens and renormalises. Anything else is not lossless.
+    """
+
     tokens: torch.Tensor  # [n] drafted ids
     parents: torch.Tensor | None = None  # [n] parent node index, -1 = the last committed token; None = chain
-    probs: torch.Tensor | None = None  # [n, V] the warped q each node was drawn from (None when greedy)
+    probs: torch.Tensor | None = None  # [n, V] the warped q each node was drawn from (None = deterministic)
+    without_replacement: bool = False  # tree siblings drawn without replacement from the shared probs row
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

@@ -1,0 +1,211 @@
+"""Training throughput: EAGLE-3 steps (online and offline features) vs a plain target forward, same batches.
+
+Usage (from the repository root):
+
+    python scripts/bench_train.py recipes/tiny/eagle3.yaml                  # CPU, reference target
+    python scripts/bench_train.py recipes/tiny/eagle3.yaml --batches 6 --threads 2 --json /tmp/bench.json
+    python scripts/bench_train.py recipes/eagle3.yaml --batches 20          # a GPU and the 8B target
+
+Every variant runs over the SAME micro-batches (the loop's first global batches, length-sorted), after
+one warm-up batch, with the recipe's precision (bf16 autocast on CUDA, fp32 on CPU):
+
+- target forward: a plain ``model(input_ids)`` with logits, what a serving step of the target costs;
+- online step:    target features (hooks, no logits) + draft TTT forward + backward + AdamW;
+- offline step:   features read back from bf16 tensors on the host (what the offline cache stores)
+                  + the same draft work: the target forward drops out, the teacher logits are
+                  rebuilt from the stored last hidden state with the frozen norm + lm_head;
+- per TTT step:   draft forward+backward time of ttt_steps=K minus ttt_steps=1, over K-1.
+
+Not a test; prints a table (and writes JSON with --json) for the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from spectrain import train as T  # noqa: E402
+
+
+def _sync(device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class Clock:
+    """Accumulates wall time per named phase (device-synchronised)."""
+
+    def __init__(self, device):
+        self.device, self.t = device, {}
+
+    def __call__(self, name: str):
+        clock = self
+
+        class _Ctx:
+            def __enter__(self):
+                _sync(clock.device)
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                _sync(clock.device)
+                clock.t[name] = clock.t.get(name, 0.0) + time.perf_counter() - self.t0
+
+        return _Ctx()
+
+
+def build(recipe_path: str, overrides: list[str], n_batches: int):
+    from spectrain.data import build_dataset, token_frequencies
+    from spectrain.features import _pad_id
+    from spectrain.recipe import load_recipe
+    from spectrain.target import load_target
+
+    recipe = load_recipe(recipe_path, overrides)
+    target = load_target(recipe.target.name_or_path, dtype=recipe.target.dtype,
+                         trust_remote_code=recipe.target.trust_remote_code)
+    rows = build_dataset(recipe.data, target.tokenizer, "train")
+    t = recipe.training
+    order = T.epoch_order(len(rows), t.seed, 0)
+    batches: list[list[int]] = []
+    for s in range(0, len(order), t.global_batch_size):
+        g = order[s:s + t.global_batch_size]
+        batches += T.rank_micro_batches(g, [int(rows.lengths[i]) for i in g], t.micro_batch_size, 0, 1)
+        if len(batches) > n_batches:
+            break
+    torch.manual_seed(t.seed)
+    drafter = T.drafter_class(recipe.drafter.kind).from_recipe(
+        recipe, target, token_frequencies(rows, target.vocab_size)).to(target.device)
+    src = T.OnlineSource(rows, target, _pad_id(target), target.device)
+    src.bind(drafter.feature_spec())
+    return recipe, target, drafter, src, batches[: n_batches + 1]
+
+
+def autocast_ctx(recipe, device):
+    mp = T.resolve_precision(recipe.training.precision)
+    if mp == "no":
+        return torch.autocast(str(device).split(":")[0], enabled=False)
+    return torch.autocast(str(device).split(":")[0], dtype=torch.bfloat16 if mp == "bf16" else torch.float16)
+
+
+def run_variant(name, batches, get, drafter, opt, clock, amp, steps=None):
+    """Train steps over `batches` (the first is warm-up, untimed). `get(idx)` -> (batch, feats)."""
+    if steps is not None:
+        drafter.config["ttt_steps"] = steps
+    for j, idx in enumerate(batches):
+        tag = name if j else "warmup"
+        with clock(f"{tag}/features"):
+            batch, feats = get(idx)
+        with clock(f"{tag}/draft_fwd"), amp():
+            loss, _ = drafter.train_loss(batch, feats, get.target)
+        with clock(f"{tag}/draft_bwd"):
+            loss.backward()
+        with clock(f"{tag}/optimizer"):
+            if opt is not None:
+                opt.step()
+            opt.zero_grad(set_to_none=True) if opt is not None else drafter.zero_grad(set_to_none=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("recipe")
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--batches", type=int, default=6, help="timed micro-batches per variant")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--json", default="", help="also write the numbers to this file")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    recipe, target, drafter, src, batches = build(args.recipe, args.overrides, args.batches)
+    dev, clock = target.device, Clock(target.device)
+    amp = lambda: autocast_ctx(recipe, dev)  # noqa: E731
+    timed = batches[1:]
+    tokens = sum(int(src.lengths[i]) for b in timed for i in b)
+
+    # 1. plain target forward (logits), the reference cost
+    from spectrain.data import collate
+
+    for j, idx in enumerate(batches):
+        batch = {k: v.to(dev) for k, v in collate([src.rows[i] for i in idx], src.pad_id).items()}
+        with clock("target_forward" if j else "warmup/tf"), torch.no_grad(), amp():
+            target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+
+    # 2. online training steps
+    opt, _ = T.build_optimizer(recipe, drafter, target)
+    online = _Getter(src.get, target)
+    run_variant("online", batches, online, drafter, opt, clock, amp)
+
+    # 3. offline: features precomputed once, stored as bf16 on the host like the cache, read back per step
+    store = {}
+    for idx in batches:
+        b, f = src.get(idx)
+        store[tuple(idx)] = ({k: v.cpu() for k, v in b.items()}, {k: v.to(torch.bfloat16).cpu() for k, v in f.items()})
+
+    def offline_get(idx):
+        b, f = store[tuple(idx)]
+        return ({k: v.to(dev) for k, v in b.items()},
+                {k: v.to(dev, torch.float32 if T.resolve_precision(recipe.training.precision) == "no" else v.dtype)
+                 for k, v in f.items()})
+
+    run_variant("offline", batches, _Getter(offline_get, target), drafter, opt, clock, amp)
+
+    # 4. per TTT step: draft fwd+bwd at ttt_steps=1 and =K on the offline batches (no optimizer)
+    k = int(recipe.drafter.eagle3.ttt_steps)
+    run_variant("ttt1", batches, _Getter(offline_get, target), drafter, None, clock, amp, steps=1)
+    run_variant(f"ttt{k}", batches, _Getter(offline_get, target), drafter, None, clock, amp, steps=k)
+    drafter.config["ttt_steps"] = k
+    report(clock.t, tokens, k, len(timed), recipe, target, args.json)
+    return 0
+
+
+class _Getter:
+    def __init__(self, fn, target):
+        self.fn, self.target = fn, target
+
+    def __call__(self, idx):
+        return self.fn(idx)
+
+
+def report(t: dict, tokens: int, k: int, n: int, recipe, target, json_path: str) -> None:
+    def step(name):
+        return sum(v for key, v in t.items() if key.startswith(f"{name}/"))
+
+    tf, on, off = t["target_forward"], step("online"), step("offline")
+    per_ttt = (t[f"ttt{k}/draft_fwd"] + t[f"ttt{k}/draft_bwd"] - t["ttt1/draft_fwd"] - t["ttt1/draft_bwd"]) / max(k - 1, 1)
+    out = {
+        "target": target.name_or_path, "device": str(target.device), "threads": torch.get_num_threads(),
+        "precision": T.resolve_precision(recipe.training.precision), "micro_batch_size": recipe.training.micro_batch_size,
+        "ttt_steps": k, "batches": n, "tokens": tokens,
+        "tokens_per_s": {"target_forward": tokens / tf, "train_online": tokens / on, "train_offline": tokens / off},
+        "ratio_train_step_over_target_forward": {"online": on / tf, "offline": off / tf},
+        "seconds_per_batch": {
+            "target_forward": tf / n,
+            "online": {p: t[f"online/{p}"] / n for p in ("features", "draft_fwd", "draft_bwd", "optimizer")},
+            "offline": {p: t[f"offline/{p}"] / n for p in ("features", "draft_fwd", "draft_bwd", "optimizer")},
+            "draft_fwd_bwd_per_ttt_step": per_ttt / n,
+            "draft_fwd_bwd_ttt1": (t["ttt1/draft_fwd"] + t["ttt1/draft_bwd"]) / n,
+        },
+    }
+    print(f"\n{out['target']} on {out['device']} ({out['threads']} threads, precision {out['precision']}), "
+          f"{n} micro-batches of {out['micro_batch_size']} rows, {tokens} tokens, ttt_steps={k}")
+    print(f"{'':28}{'tokens/s':>10}{'s/batch':>10}{'x target fwd':>14}")
+    print(f"{'target forward (logits)':28}{tokens / tf:10.0f}{tf / n:10.3f}{1.0:14.2f}")
+    print(f"{'EAGLE-3 train, online':28}{tokens / on:10.0f}{on / n:10.3f}{on / tf:14.2f}")
+    print(f"{'EAGLE-3 train, offline':28}{tokens / off:10.0f}{off / n:10.3f}{off / tf:14.2f}")
+    print("\nwhere the time goes, s per batch (online | offline):")
+    for p, label in (("features", "target features / cache read"), ("draft_fwd", "draft forward (all TTT steps)"),
+                     ("draft_bwd", "draft backward"), ("optimizer", "AdamW step")):
+        print(f"  {label:32}{t[f'online/{p}'] / n:8.3f} | {t[f'offline/{p}'] / n:8.3f}")
+    print(f"  {'draft fwd+bwd per extra TTT step':32}{per_ttt / n:8.3f}   (ttt_steps=1 alone: "
+          f"{out['seconds_per_batch']['draft_fwd_bwd_ttt1']:.3f}, incl. teacher logits)")
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

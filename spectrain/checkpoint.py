@@ -1,0 +1,325 @@
+"""Run directories and checkpoints for the training loop: atomic writes, exact resume, pruning.
+
+Layout of a run directory (``recipe.output_dir``)::
+
+    recipe.yaml  run_info.json  metrics.jsonl
+    step-N/      drafter weights in save_pretrained form (config.json + model.safetensors ...)
+                 trainer_state.json  (step, epoch, step in epoch, recipe hash, best tau, world size)
+                 accelerate/         (accelerator.save_state: model, optimizer, scheduler, RNG per rank)
+    last -> step-N                   (symlink to the newest complete checkpoint)
+    best/        drafter weights only, the best held-out simulated tau so far (+ best.json)
+
+Every checkpoint is written into ``.tmp-step-N`` and renamed into place only when complete, so a
+crash or preemption mid-write never leaves a half checkpoint under a real name. Optimizer, RNG and
+model state go through ``accelerator.save_state`` so DDP / FSDP / DeepSpeed sharded states are
+saved by the engine that owns them, not by home-made code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "trainer_state.json"
+ENGINE_DIR = "accelerate"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+# Keys that change where/how often things are written or logged but not what is computed; a resume
+# may change them freely. Everything else in the recipe must match the checkpoint's recipe.
+_HASH_EXEMPT = {
+    ("training", "resume_from"), ("training", "checkpoint_every"), ("training", "eval_every"),
+    ("training", "keep_checkpoints"), ("training", "num_workers"), ("training", "feature_cache"),
+    ("training", "max_nan_steps"),
+    ("data", "cache_dir"), ("tracking",), ("output_dir",),
+}
+
+
+def training_fields(recipe_dict: dict) -> dict:
+    """The recipe without the fields a resume may change (see _HASH_EXEMPT)."""
+    out = json.loads(json.dumps(recipe_dict))
+    for path in _HASH_EXEMPT:
+        node = out
+        for key in path[:-1]:
+            node = node.get(key, {})
+        node.pop(path[-1], None)
+    return out
+
+
+def recipe_hash(recipe_dict: dict) -> str:
+    blob = json.dumps(training_fields(recipe_dict), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return [] if a == b else [f"{prefix}: checkpoint {a!r} vs now {b!r}"]
+
+
+# ---- run directory bookkeeping ---------------------------------------------------------------------
+
+
+def _git_sha() -> str | None:
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for name in ("spectrain", "torch", "transformers", "accelerate", "datasets", "safetensors", "deepspeed",
+                 "wandb", "tensorboard"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return out
+
+
+def write_run_info(output_dir: Path, recipe, world_size: int, extra: dict | None = None) -> None:
+    """Main process only: the resolved recipe, command line, git SHA, world size, library versions."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "recipe.yaml").write_text(recipe.to_yaml())
+    info = {
+        "command": [sys.executable, *sys.argv],
+        "git_sha": _git_sha(),
+        "world_size": world_size,
+        "recipe_hash": recipe_hash(recipe.to_dict()),
+        "versions": library_versions(),
+        "host": platform.node(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **(extra or {}),
+    }
+    _atomic_write_text(output_dir / "run_info.json", json.dumps(info, indent=2))
+
+
+def start_run(accelerator, recipe, extra: dict) -> None:
+    """Main process: run_info.json + recipe.yaml, and the trackers (wandb / tensorboard) via accelerate."""
+    if not accelerator.is_main_process:
+        return
+    out = Path(recipe.output_dir)
+    write_run_info(out, recipe, accelerator.num_processes, extra)
+    flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in _flatten(recipe.to_dict()).items()}
+    name = recipe.tracking.run_name or out.name
+    accelerator.init_trackers(recipe.tracking.project, config=flat, init_kwargs={"wandb": {"name": name}})
+
+
+def append_metrics(accelerator, path: Path, rec: dict) -> None:
+    """Main process: one JSON line per record, and the numeric fields to the trackers."""
+    if not accelerator.is_main_process:
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    if accelerator.trackers:
+        accelerator.log({k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"},
+                        step=rec["step"])
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop records the interrupted run logged after its last checkpoint (they are redone)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the interruption
+        if rec.get("step", 0) <= step:
+            keep.append(line)
+    _atomic_write_text(path, "".join(x + "\n" for x in keep))
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+
+
+def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    if not output_dir.is_dir():
+        return []
+    out = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
+    return sorted(out)
+
+
+def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: int) -> Path:
+    """Collective (every rank calls it). Writes step-N atomically, repoints `last`, prunes old ones."""
+    step = int(state["step"])
+    final = output_dir / f"step-{step}"
+    tmp = output_dir / f".tmp-step-{step}"  # same name on every rank: they share the directory
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp / ENGINE_DIR))
+    if accelerator.is_main_process:
+        drafter.save_pretrained(str(tmp))
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        if final.exists():  # a re-run of the same step (e.g. resumed then preempted again)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _point_last(output_dir, final.name)
+        prune_checkpoints(output_dir, keep)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _point_last(output_dir: Path, name: str) -> None:
+    link = output_dir / "last"
+    tmp = output_dir / f".last.tmp{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(name, tmp)  # relative, so the run dir can be moved
+    if link.exists() and not link.is_symlink():
+        shutil.rmtree(link)
+    os.replace(tmp, link)
+
+
+def prune_checkpoints(output_dir: Path, keep: int) -> None:
+    ckpts = list_checkpoints(output_dir)
+    last = (output_dir / "last").resolve() if (output_dir / "last").is_symlink() else None
+    for _, path in ckpts[: max(0, len(ckpts) - keep)]:
+        if last is not None and path.resolve() == last:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def save_best(drafter, output_dir: Path, info: dict) -> Path:
+    """Main process only: best/ = loadable drafter weights + best.json, swapped in atomically."""
+    best = output_dir / "best"
+    tmp = output_dir / ".tmp-best"
+    old = output_dir / ".old-best"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    drafter.save_pretrained(str(tmp))
+    (tmp / "best.json").write_text(json.dumps(info, indent=2))
+    shutil.rmtree(old, ignore_errors=True)
+    if best.exists():
+        os.replace(best, old)
+    os.replace(tmp, best)
+    shutil.rmtree(old, ignore_errors=True)
+    return best
+
+
+def find_resume_dir(output_dir: Path, resume_from: str) -> Path | None:
+    """"" -> None (fresh run); "auto" -> the newest checkpoint in output_dir or None; else that path."""
+    if not resume_from:
+        return None
+    if resume_from == "auto":
+        last = output_dir / "last"
+        if last.exists() and (last / STATE_FILE).is_file():
+            return last.resolve()
+        ckpts = [p for _, p in list_checkpoints(output_dir) if (p / STATE_FILE).is_file()]
+        return ckpts[-1] if ckpts else None
+    path = Path(resume_from)
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(
+            f"training.resume_from={resume_from!r} is not a checkpoint directory (no {STATE_FILE} in it); "
+            f"give a step-N/ or last/ directory of a run, or resume_from=auto to pick the newest in output_dir")
+    return path.resolve()
+
+
+def load_checkpoint(accelerator, ckpt: Path, recipe_dict: dict) -> dict:
+    """Restore model/optimizer/scheduler/RNG through accelerate; return the trainer state.
+
+    Refuses a checkpoint written by a recipe whose training-relevant fields differ (the loss
+    sequence would silently change), listing the differing keys.
+    """
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    want = recipe_hash(recipe_dict)
+    if state.get("recipe_hash") != want:
+        saved = ckpt.parent / "recipe.yaml"
+        detail = ""
+        if saved.is_file():
+            import yaml
+
+            diffs = _diff(training_fields(yaml.safe_load(saved.read_text())), training_fields(recipe_dict))
+            detail = "\n  " + "\n  ".join(diffs[:20]) if diffs else ""
+        raise ValueError(
+            f"cannot resume from {ckpt}: it was written by a different recipe (hash {state.get('recipe_hash')} "
+            f"vs {want}); training-relevant fields differ:{detail or ' (run recipe.yaml not found)'}\n"
+            "Resume with the same recipe, or start a fresh run (training.resume_from='' and a new output_dir).")
+    if state.get("world_size") != accelerator.num_processes and accelerator.is_main_process:
+        print(f"resume: checkpoint was written with {state.get('world_size')} processes, now "
+              f"{accelerator.num_processes}; the data order and global batch are unchanged (gradient "
+              "accumulation re-derived), but per-rank RNG streams are not carried over exactly.")
+    accelerator.load_state(str(ckpt / ENGINE_DIR))
+    return state
+
+
+def resume(accelerator, output_dir: Path, resume_from: str, recipe_dict: dict, metrics_path: Path) -> dict | None:
+    """Apply training.resume_from: restore everything and return the trainer state, or None (fresh run)."""
+    path = find_resume_dir(output_dir, resume_from)
+    if path is None:
+        if not resume_from and list_checkpoints(output_dir):
+            raise ValueError(f"output_dir {output_dir} already holds checkpoints of a run: continue it with "
+                             "training.resume_from=auto, or choose a new output_dir")
+        if accelerator.is_main_process:
+            if resume_from == "auto":
+                print(f"resume=auto: no checkpoint in {output_dir}; starting fresh")
+            truncate_metrics(metrics_path, 0)  # records of an attempt that died before its first checkpoint
+        return None
+    state = load_checkpoint(accelerator, path, recipe_dict)
+    accelerator.step = 0  # accelerate's micro-step counter: we always stop at an optimizer-step boundary
+    if accelerator.is_main_process:
+        truncate_metrics(metrics_path, state["step"])
+        print(f"resumed from {path} at step {state['step']} (epoch {state['epoch']}, step {state['step_in_epoch']} "
+              "in the epoch)")
+    return state
+
+
+class Preemption:
+    """SIGTERM / SIGINT set ``.signal``; the loop checkpoints at the end of the step and exits.
+    A second signal while one is pending raises KeyboardInterrupt (stop now, no checkpoint)."""
+
+    def __init__(self):
+        import threading
+
+        self.signal: int | None = None
+        self._prev: dict = {}
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            self._prev = {s: signal.signal(s, self._handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handler(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def restore(self) -> None:
+        for s, h in self._prev.items():
+            signal.signal(s, h)
+        self._prev = {}

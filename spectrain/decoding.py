@@ -1,0 +1,546 @@
+"""Lossless speculative decoding: chain and tree drafts, greedy and sampling, target KV-cache reuse.
+
+One verification pass per step. Invariant: the target cache holds ``tokens[:-1]`` (every committed
+token except the newest). A step feeds ``[tokens[-1]] + drafted nodes`` at positions
+``P + depth`` (P = len(tokens) - 1; a chain has depth 1..n), so logits row 0 is the target's
+distribution for the first drafted position and the row of node i is the distribution after it.
+After acceptance the cache keeps the root plus the accepted path (a crop for chains, a gather for
+trees), which restores the invariant. The prefill feeds ``prompt[:-1]`` and emits nothing, so every
+counted target pass emits >= 1 token and plain decoding has tau = 1 exactly.
+
+Acceptance (DESIGN.md section 4):
+- greedy: a node is accepted iff it equals the target argmax; the emitted sequence equals
+  ``model.generate(do_sample=False)``;
+- sampling: candidate x ~ q is accepted w.p. min(1, p(x)/q(x)); after a rejection p becomes
+  norm(max(0, p - q)); when no candidate of a node survives, the next token is drawn from the current
+  p (the residual, or the plain target distribution after a fully accepted path: the bonus token).
+  For trees the children of a node are tested in order (multi-candidate recursive rejection); see
+  ``Proposal`` in spectrain/drafters/base.py for what ``probs`` must mean for this to be exact.
+
+Batches: ``input_ids`` may be 1-D (one prompt -> ``SpecOutput``) or 2-D / a list of lists (-> a list of
+``SpecOutput``, one per row, processed one row after another with one shared random generator; padding
+is removed with ``attention_mask`` when given). Aggregate with ``DecodeStats.merge``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from spectrain.drafters.base import DraftContext, Drafter, Proposal, TargetFeatures
+from spectrain.sampling import Sampler
+
+# Test-only switch: resample from p instead of the residual after a rejection (NOT lossless). The
+# statistical test flips it to prove that it can detect a broken verifier.
+_RESIDUAL_FROM_P = False
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one or more decoded sequences. Conventions: DESIGN.md section 3."""
+
+    k: int = 0
+    attempts: list[int] = field(default_factory=list)  # [i-1]: times draft position i was verified
+    accepts: list[int] = field(default_factory=list)  # [i-1]: times it was accepted
+    drafted: int = 0  # drafted tokens (tree: nodes), verified or not
+    target_passes: int = 0  # verification passes (each emits >= 1 token); the prefill is not one
+    emitted: int = 0
+    prefill_tokens: int = 0
+    sequences: int = 0
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+    wall_time_s: float = 0.0
+
+    def _grow(self, n: int) -> None:
+        while len(self.attempts) < n:
+            self.attempts.append(0)
+            self.accepts.append(0)
+
+    def record(self, outcomes: list[bool]) -> None:
+        """outcomes[i]: whether draft position i+1 was accepted, for the positions that were verified."""
+        self._grow(len(outcomes))
+        for i, ok in enumerate(outcomes):
+            self.attempts[i] += 1
+            self.accepts[i] += int(ok)
+
+    @property
+    def alpha(self) -> list[float]:
+        """Conditional per-position acceptance alpha_i (nan where position i was never verified)."""
+        return [a / n if n else float("nan") for a, n in zip(self.accepts, self.attempts)]
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per target verification pass, including the bonus / corrected token."""
+        return self.emitted / self.target_passes if self.target_passes else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        """vLLM style: accepted drafted tokens / drafted tokens."""
+        return sum(self.accepts) / self.drafted if self.drafted else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.emitted / self.wall_time_s if self.wall_time_s > 0 else float("nan")
+
+    @classmethod
+    def merge(cls, stats: list[DecodeStats]) -> DecodeStats:
+        out = cls(k=max((s.k for s in stats), default=0))
+        for s in stats:
+            out._grow(len(s.attempts))
+            for i in range(len(s.attempts)):
+                out.attempts[i] += s.attempts[i]
+                out.accepts[i] += s.accepts[i]
+            for name in ("drafted", "target_passes", "emitted", "prefill_tokens", "sequences",
+                         "draft_time_s", "target_time_s", "wall_time_s"):
+                setattr(out, name, getattr(out, name) + getattr(s, name))
+        return out
+
+    def to_dict(self) -> dict:
+        def clean(x: float):
+            return None if x != x else x  # nan -> null in JSON
+
+        d = asdict(self)
+        d.update(alpha=[clean(a) for a in self.alpha], tau=clean(self.tau),
+                 acceptance_rate=clean(self.acceptance_rate), tokens_per_s=clean(self.tokens_per_s))
+        return d
+
+
+@dataclass
+class SpecOutput:
+    tokens: list[int]  # generated ids, prompt excluded (ends with eos when stopped by it)
+    stats: DecodeStats
+    stop_reason: str = "length"  # "eos" or "length"
+
+
+# ---------------------------------------------------------------------------------------------
+# public entry points
+
+
+def speculative_generate(
+    target,
+    drafter: Drafter | None,
+    input_ids,
+    max_new_tokens: int = 128,
+    k: int = 5,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    eos_token_id: int | list[int] | None = None,
+    tree: dict | None = None,
+    attention_mask=None,
+) -> SpecOutput | list[SpecOutput]:
+    """Generate with ``drafter`` proposing and ``target`` verifying; the output is distributed exactly
+    as the target's own decoding (identical tokens when greedy).
+
+    ``k``: chain length, or the maximum tree depth. ``tree``: None for chains, else a dict of tree
+    options handed to the drafter (``DraftContext.tree``, e.g. ``{"topk": 4}``); the drafter must
+    support trees. ``eos_token_id``: None = the target's generation_config / config / tokenizer eos;
+    ``[]`` = never stop early. ``drafter=None`` is plain decoding (see ``plain_generate``).
+    """
+    if drafter is None:
+        k = 0
+    elif not isinstance(k, int) or k <= 0:
+        raise ValueError(f"k (draft length / tree depth) must be a positive integer, got {k!r}")
+    if tree is not None and drafter is not None and not getattr(drafter, "supports_tree", False):
+        raise ValueError(f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} cannot propose trees; "
+                         "pass tree=None for chain drafts")
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    generator = torch.Generator(device=target.device).manual_seed(int(seed))
+    sampler = Sampler(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), generator=generator)
+    rows, batched = _as_rows(input_ids, attention_mask)
+    limit = target.max_positions
+    for i, row in enumerate(rows):
+        if limit is not None and len(row) + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt {i} has {len(row)} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
+                f"target's context window of {limit} positions: shorten the prompt or lower max_new_tokens")
+    eos = _resolve_eos(target, eos_token_id)
+    outs = [_generate_one(target, drafter, row, max_new_tokens, k, sampler, eos, tree) for row in rows]
+    return outs if batched else outs[0]
+
+
+def plain_generate(target, input_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                   top_k: int = 0, seed: int = 0, eos_token_id: int | list[int] | None = None,
+                   attention_mask=None) -> SpecOutput | list[SpecOutput]:
+    """The plain target baseline: the same loop and cache, one token per pass (tau = 1)."""
+    return speculative_generate(target, None, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=top_p, top_k=top_k, seed=seed, eos_token_id=eos_token_id,
+                                attention_mask=attention_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# input handling
+
+
+def _as_rows(input_ids, attention_mask) -> tuple[list[list[int]], bool]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 1:
+            rows, batched = [input_ids.tolist()], False
+        elif input_ids.dim() == 2:
+            batched = True
+            if attention_mask is not None:
+                keep = torch.as_tensor(attention_mask).bool().cpu()
+                if keep.shape != input_ids.shape:
+                    raise ValueError(f"attention_mask shape {tuple(keep.shape)} != input_ids shape "
+                                     f"{tuple(input_ids.shape)}")
+                rows = [r[m].tolist() for r, m in zip(input_ids.cpu(), keep)]
+            else:
+                rows = input_ids.tolist()
+        else:
+            raise ValueError(f"input_ids must be 1-D or 2-D, got shape {tuple(input_ids.shape)}")
+    elif isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple)):
+        rows, batched = [list(r) for r in input_ids], True
+    elif isinstance(input_ids, (list, tuple)):
+        rows, batched = [list(input_ids)], False
+    else:
+        raise ValueError(f"input_ids must be a tensor or a list of ints / lists, got {type(input_ids).__name__}")
+    if not rows:
+        raise ValueError("input_ids holds no prompts")
+    for i, r in enumerate(rows):
+        if not r:
+            raise ValueError(f"prompt {i} is empty: give at least one token (e.g. the BOS token)")
+    return [[int(t) for t in r] for r in rows], batched
+
+
+def _resolve_eos(target, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        gen = getattr(target.model, "generation_config", None)
+        for src in (gen, target.config, target.tokenizer):
+            eos_token_id = getattr(src, "eos_token_id", None) if src is not None else None
+            if eos_token_id is not None:
+                break
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(e) for e in eos_token_id}
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":  # the split between draft and target time needs finished kernels
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _generate_one(target, drafter, prompt: list[int], max_new: int, k: int, sampler: Sampler,
+                  eos: set[int], tree: dict | None) -> SpecOutput:
+    from transformers import DynamicCache
+
+    dev = target.device
+    stats = DecodeStats(k=k, sequences=1, prefill_tokens=len(prompt))
+    stats._grow(k)
+    aux_layers = list(getattr(drafter, "aux_layers", []) or []) if drafter is not None else []
+    want_final = bool(drafter is not None and getattr(drafter, "needs_final_hidden", False))
+    want_feats = bool(aux_layers) or want_final
+    tokens = list(prompt)
+    # A plain DynamicCache (full-attention layers only) so that any prefix can be cropped or gathered;
+    # sliding-window models still get their window from the attention mask.
+    cache = DynamicCache()
+    pending: list[TargetFeatures] = []
+    t_start = _now(dev)
+    if drafter is not None:
+        drafter.begin(torch.tensor(prompt, device=dev))
+        stats.draft_time_s += _now(dev) - t_start
+    if len(tokens) > 1:
+        t0 = _now(dev)
+        out = target.forward(torch.tensor([tokens[:-1]], device=dev), cache=cache, aux_layers=aux_layers,
+                             want_final_hidden=want_final, want_logits=False, use_cache=True)
+        cache = out.cache
+        if want_feats:
+            pending.append(_features(out, 0, list(range(len(tokens) - 1))))
+        stats.target_time_s += _now(dev) - t0
+    emitted: list[int] = []
+    stop = "length"
+    while len(emitted) < max_new:
+        depth_limit = min(k, max_new - len(emitted) - 1)  # never draft past the token budget
+        proposal, keep_idx = None, []
+        if drafter is not None and depth_limit > 0:
+            t0 = _now(dev)
+            ctx = DraftContext(tokens=torch.tensor(tokens, device=dev), k=depth_limit, sampler=sampler,
+                               features=_concat_features(pending), tree=tree)
+            pending = []
+            proposal, keep_idx = _clip(drafter.propose(ctx), depth_limit, target.vocab_size)
+            stats.draft_time_s += _now(dev) - t0
+        t0 = _now(dev)
+        path, new, outcomes, out = _verify(target, cache, tokens, proposal, sampler, aux_layers, want_final)
+        # Stop at eos inside the accepted drafts: later positions are neither emitted nor counted.
+        cut = min(len(new), max_new - len(emitted))
+        for j, t in enumerate(new[:cut]):
+            if t in eos:
+                cut, stop = j + 1, "eos"
+                break
+        new = new[:cut]
+        if cut <= len(path):
+            path, outcomes = path[:cut], outcomes[:cut]
+        P = len(tokens) - 1
+        _rollback(cache, P + 1, path)
+        if want_feats:
+            pending.append(_features(out, P, [0] + [1 + i for i in path]))
+        stats.target_time_s += _now(dev) - t0
+        stats.target_passes += 1
+        stats.drafted += len(proposal) if proposal is not None else 0
+        stats.record(outcomes)
+        stats.emitted += len(new)
+        tokens.extend(new)
+        emitted.extend(new)
+        if proposal is not None:
+            t0 = _now(dev)
+            drafter.commit([keep_idx[i] for i in path])
+            stats.draft_time_s += _now(dev) - t0
+        if stop == "eos":
+            break
+    stats.wall_time_s = _now(dev) - t_start
+    return SpecOutput(tokens=emitted, stats=stats, stop_reason=stop)
+
+
+def _clip(proposal: Proposal, depth_limit: int, vocab: int) -> tuple[Proposal | None, list[int]]:
+    """Drop nodes deeper than the budget allows; returns the clipped proposal and kept original indices."""
+    if proposal is None or len(proposal) == 0:
+        return None, []
+    toks = proposal.tokens.reshape(-1)
+    if int(toks.min()) < 0 or int(toks.max()) >= vocab:
+        raise ValueError(f"drafter proposed token ids outside the target vocabulary [0, {vocab})")
+    if proposal.is_chain:
+        n = min(len(proposal), depth_limit)
+        probs = proposal.probs[:n] if proposal.probs is not None else None
+        return Proposal(tokens=toks[:n], probs=probs), list(range(n))
+    parents = proposal.parents.tolist()
+    depth = _depths(parents)
+    keep = [i for i, d in enumerate(depth) if d <= depth_limit]
+    if len(keep) == len(parents):
+        return proposal, keep
+    remap = {old: new for new, old in enumerate(keep)}
+    new_parents = torch.tensor([remap[parents[i]] if parents[i] >= 0 else -1 for i in keep])
+    idx = torch.tensor(keep, device=toks.device)
+    probs = proposal.probs[idx] if proposal.probs is not None else None
+    return Proposal(tokens=toks[idx], parents=new_parents, probs=probs,
+                    without_replacement=proposal.without_replacement), keep
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depth = []
+    for i, p in enumerate(parents):
+        if p >= i or p < -1:
+            raise ValueError(f"tree proposal node {i} has parent {p}: parents must precede their children "
+                             "(-1 = the last committed token)")
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
+# ---------------------------------------------------------------------------------------------
+# verification
+
+
+def _verify(target, cache, tokens, proposal, sampler, aux_layers, want_final):
+    """One target pass over [last token] + nodes. Returns (accepted node indices root->leaf, emitted
+    tokens, per-depth outcomes, target output)."""
+    dev = target.device
+    P = len(tokens) - 1
+    n = len(proposal) if proposal is not None else 0
+    ids = torch.tensor([tokens[-1]], device=dev)
+    mask = None
+    if n == 0:
+        pos = torch.tensor([P], device=dev)
+    else:
+        ids = torch.cat([ids, proposal.tokens.to(dev)])
+        if proposal.is_chain:
+            pos = torch.arange(P, P + n + 1, device=dev)
+        else:
+            depth = torch.tensor([0] + _depths(proposal.parents.tolist()), device=dev)
+            pos = P + depth
+            mask = _tree_mask(target, proposal.parents.tolist(), P, pos)
+    out = target.forward(ids[None], position_ids=pos[None], attention_mask=mask, cache=cache,
+                         aux_layers=aux_layers, want_final_hidden=want_final, use_cache=True)
+    logits = out.logits[0]
+    if proposal is None or proposal.is_chain:
+        path, new, outcomes = _accept_chain(logits, proposal, sampler)
+    else:
+        path, new, outcomes = _accept_tree(logits, proposal, sampler)
+    return path, new, outcomes, out
+
+
+def _accept_chain(logits: torch.Tensor, proposal: Proposal | None, sampler: Sampler):
+    n = len(proposal) if proposal is not None else 0
+    if sampler.greedy:
+        best = logits.argmax(-1)
+        if n == 0:
+            return [], [int(best[0])], []
+        ok = (proposal.tokens.to(best.device) == best[:n]).int()
+        n_acc = int(ok.cumprod(0).sum())
+        toks = proposal.tokens[:n_acc].tolist() + [int(best[n_acc])]
+        outcomes = [True] * n_acc + ([False] if n_acc < n else [])
+        return list(range(n_acc)), toks, outcomes
+    p = sampler.probs(logits)
+    if n == 0:
+        return [], [int(sampler.sample(p[0]))], []
+    x = proposal.tokens.to(p.device)
+    px = p[:n].gather(1, x[:, None])[:, 0]
+    q = proposal.probs.to(p.device).float() if proposal.probs is not None else None
+    qx = q.gather(1, x[:, None])[:, 0] if q is not None else torch.ones_like(px)
+    # Independent uniforms for every position: a decision only matters if all earlier were accepted.
+    u = torch.rand(n, device=p.device, generator=sampler.generator)
+    ok = (u * qx < px).int()
+    n_acc = int(ok.cumprod(0).sum())
+    toks = x[:n_acc].tolist()
+    if n_acc == n:
+        toks.append(int(sampler.sample(p[n])))
+        return list(range(n)), toks, [True] * n
+    q_rej = q[n_acc] if q is not None else torch.nn.functional.one_hot(x[n_acc], p.shape[-1]).float()
+    toks.append(_sample_residual(p[n_acc], q_rej, sampler))
+    return list(range(n_acc)), toks, [True] * n_acc + [False]
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    if _RESIDUAL_FROM_P:
+        return p
+    r = (p - q).clamp_min(0)
+    s = r.sum()
+    # s == 0 only when p == q up to rounding; then a rejection had ~zero probability and p is the answer.
+    return r / s if float(s) > 1e-12 else p
+
+
+def _sample_residual(p: torch.Tensor, q: torch.Tensor, sampler: Sampler) -> int:
+    return int(torch.multinomial(_residual(p, q), 1, generator=sampler.generator))
+
+
+def _accept_tree(logits: torch.Tensor, proposal: Proposal, sampler: Sampler):
+    parents = proposal.parents.tolist()
+    toks = proposal.tokens.tolist()
+    children: dict[int, list[int]] = {}
+    for i, par in enumerate(parents):
+        children.setdefault(par, []).append(i)
+    greedy = sampler.greedy
+    p_all = None if greedy else sampler.probs(logits)
+    path: list[int] = []
+    outcomes: list[bool] = []
+    node = -1  # -1 = the root (last committed token), logits row 0
+    while True:
+        kids = children.get(node, [])
+        row = node + 1
+        if greedy:
+            best = int(logits[row].argmax())
+            nxt = next((c for c in kids if toks[c] == best), None)
+            if kids:
+                outcomes.append(nxt is not None)
+            if nxt is None:
+                return path, [toks[i] for i in path] + [best], outcomes
+        else:
+            nxt, p = _recursive_rejection(p_all[row], kids, toks, proposal, sampler)
+            if kids:
+                outcomes.append(nxt is not None)
+            if nxt is None:
+                return path, [toks[i] for i in path] + [int(torch.multinomial(p, 1, generator=sampler.generator))], \
+                    outcomes
+        path.append(nxt)
+        node = nxt
+
+
+def _recursive_rejection(p: torch.Tensor, kids: list[int], toks: list[int], proposal: Proposal,
+                         sampler: Sampler) -> tuple[int | None, torch.Tensor]:
+    """Test the children in order; return the accepted one, or None and the final residual p."""
+    V = p.shape[-1]
+    removed: list[int] = []
+    for c in kids:
+        x = toks[c]
+        if proposal.probs is None:  # deterministic candidate: q = one-hot(x)
+            q = torch.nn.functional.one_hot(torch.tensor(x, device=p.device), V).float()
+        else:
+            q = proposal.probs[c].to(p.device).float()
+            if proposal.without_replacement and removed:
+                q = q.clone()
+                q[removed] = 0.0
+                q = q / q.sum() if float(q.sum()) > 0 else q
+        u = float(torch.rand((), device=p.device, generator=sampler.generator))
+        if u * float(q[x]) < float(p[x]):
+            return c, p
+        p = _residual(p, q)
+        removed.append(x)
+    return None, p
+
+
+def _tree_mask(target, parents: list[int], P: int, pos: torch.Tensor) -> torch.Tensor:
+    """[1, 1, q, P + q] mask: every node sees the whole past, its ancestors and itself."""
+    q = len(parents) + 1
+    dev = pos.device
+    tree = torch.zeros(q, q, dtype=torch.bool, device=dev)
+    tree[0, 0] = True
+    for i, par in enumerate(parents):
+        tree[i + 1] = tree[par + 1]
+        tree[i + 1, i + 1] = True
+    mask = torch.cat([torch.ones(q, P, dtype=torch.bool, device=dev), tree], dim=1)
+    window = _uniform_sliding_window(target.config, P + q)
+    if window is not None:
+        kpos = torch.cat([torch.arange(P, device=dev), pos])
+        mask &= (pos[:, None] - kpos[None, :]) < window
+    impl = getattr(target.config, "_attn_implementation", "sdpa")
+    if impl == "sdpa" or impl is None:
+        return mask[None, None]
+    if impl == "eager":  # eager adds the mask to the scores
+        zero = torch.zeros((), dtype=target.dtype, device=dev)
+        return torch.where(mask, zero, torch.finfo(target.dtype).min)[None, None]
+    raise ValueError(f"tree verification needs a custom attention mask, which attn_implementation={impl!r} "
+                     "does not take; load the target with attn_implementation='sdpa' or use chain drafts")
+
+
+def _uniform_sliding_window(config, length: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window or length <= window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is None and getattr(config, "use_sliding_window", True) is False:
+        return None
+    if types is not None and "sliding_attention" not in types:
+        return None
+    if types is not None and len(set(types)) > 1:
+        raise ValueError("tree verification beyond the sliding window of a model that mixes sliding and full "
+                         "attention layers is not supported (one custom mask serves all layers); use chain drafts")
+    return int(window)
+
+
+# ---------------------------------------------------------------------------------------------
+# cache and features
+
+
+def _rollback(cache, keep_prefix: int, path: list[int]) -> None:
+    """Keep the first ``keep_prefix`` entries (past + root) plus the accepted nodes' entries."""
+    contiguous = path == list(range(len(path)))
+    idx = None
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+            continue
+        if contiguous:
+            end = keep_prefix + len(path)
+            layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+        else:
+            if idx is None:
+                idx = torch.tensor(list(range(keep_prefix)) + [keep_prefix + i for i in path],
+                                   device=layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
+        if hasattr(layer, "cumulative_length"):
+            layer.cumulative_length = layer.keys.shape[-2]
+
+
+def _features(out, start: int, rows: list[int]) -> TargetFeatures:
+    idx = torch.tensor(rows, device=(out.aux_hidden[0] if out.aux_hidden else out.final_hidden).device)
+    aux = torch.cat([h[0] for h in out.aux_hidden], dim=-1).index_select(0, idx) if out.aux_hidden else None
+    final = out.final_hidden[0].index_select(0, idx) if out.final_hidden is not None else None
+    return TargetFeatures(start=start, aux=aux, final_hidden=final)
+
+
+def _concat_features(pieces: list[TargetFeatures]) -> TargetFeatures | None:
+    if not pieces:
+        return None
+    if len(pieces) == 1:
+        return pieces[0]
+    aux = torch.cat([f.aux for f in pieces]) if pieces[0].aux is not None else None
+    final = torch.cat([f.final_hidden for f in pieces]) if pieces[0].final_hidden is not None else None
+    return TargetFeatures(start=pieces[0].start, aux=aux, final_hidden=final)

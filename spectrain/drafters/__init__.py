@@ -1,0 +1,73 @@
+"""Drafter families and ``load_drafter``.
+
+``load_drafter(spec, target)`` resolves, in order:
+- ``"ngram"`` / ``"ngram:max_n=3,min_n=1,k=8"`` -> prompt-lookup drafter (spectrain/drafters/ngram.py);
+- a directory holding ``drafter_config.json`` with ``"kind": K`` -> ``REGISTRY[K](path, target)``
+  (trained spectrain drafters, e.g. ``eagle3``, ``medusa``);
+- anything else -> an HF causal LM directory or hub id used as a separate draft model
+  (its tokenizer must match the target's; see draft_lm.check_vocab).
+
+``REGISTRY`` is a plain dict {kind: loader(path, target) -> Drafter}. Families register lazily so
+importing spectrain never imports every drafter's dependencies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from spectrain.drafters.base import DraftContext, Drafter, Proposal, TargetFeatures
+
+__all__ = ["REGISTRY", "DraftContext", "Drafter", "Proposal", "TargetFeatures", "load_drafter"]
+
+
+def _lazy(module: str, attr: str = "load") -> Callable:
+    def loader(path, target):
+        return getattr(importlib.import_module(module), attr)(path, target)
+
+    loader.__qualname__ = f"{module}.{attr}"
+    return loader
+
+
+def _load_draft_lm(path, target):
+    from spectrain.drafters.draft_lm import DraftLMDrafter
+
+    return DraftLMDrafter.from_pretrained(str(path), target)
+
+
+REGISTRY: dict[str, Callable] = {
+    "eagle3": _lazy("spectrain.drafters.eagle3"),
+    "medusa": _lazy("spectrain.drafters.medusa"),
+    "draft": _load_draft_lm,
+}
+
+
+def load_drafter(spec, target) -> Drafter:
+    """Build a drafter from a spec string / path (see module docstring), or pass a Drafter through."""
+    if isinstance(spec, Drafter):
+        return spec
+    spec = str(spec)
+    if spec.split(":", 1)[0].strip() == "ngram":
+        from spectrain.drafters.ngram import NgramDrafter
+
+        return NgramDrafter.from_spec(spec)
+    path = Path(spec)
+    cfg_file = path / "drafter_config.json"
+    if cfg_file.is_file():
+        try:
+            kind = json.loads(cfg_file.read_text()).get("kind")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
+        if kind not in REGISTRY:
+            raise ValueError(f"{cfg_file} has kind={kind!r}; known drafter kinds: {', '.join(sorted(REGISTRY))}")
+        return REGISTRY[kind](path, target)
+    if path.exists() and not (path / "config.json").is_file():
+        raise ValueError(f"{spec!r} holds neither drafter_config.json (a spectrain drafter) nor config.json "
+                         "(an HF draft model); give 'ngram', a trained drafter directory or an HF model")
+    try:
+        return _load_draft_lm(spec, target)
+    except OSError as e:
+        raise ValueError(f"cannot load drafter {spec!r}: not 'ngram[:...]', not a directory with "
+                         f"drafter_config.json, and not loadable as an HF causal LM ({e})") from e

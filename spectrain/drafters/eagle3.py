@@ -1,0 +1,527 @@
+"""EAGLE-3 head: model, training-time test (TTT) and the decoding adapter.
+
+Alignment (x = tokens, g_t = fused aux features of the target at position t, p_t = the target's
+distribution at position t, which predicts x_{t+1}):
+
+- TTT step 0 at anchor t: input (embed(x_{t+1}), fc(g_t)) at RoPE position t, predicts x_{t+2},
+  trained against p_{t+1}.
+- Step i > 0 at anchor t: input (embed(x_{t+1+i}), the layer output of step i-1 at anchor t) at
+  position t+i, trained against p_{t+1+i}. It attends to the step-0 keys at anchors 0..t and to
+  the step-1..i keys of anchor t only (the "diagonal"), which is exactly what a drafted chain sees
+  in decoding: the committed prefix (always built from true target features) plus its own ancestors.
+- Loss masks: token x_{t+2+i} must be an assistant token (data.py: loss_mask[j] = 1 means position
+  j-1 is trained to predict x_j) and the target's argmax at t+1+i must lie in the draft vocab.
+
+Parameter names map one-to-one onto the vLLM speculators EAGLE-3 layout (fc.weight,
+layers.0.self_attn.q_proj.weight, ..., norm.weight, lm_head.weight, d2t, t2d). The target's
+embeddings are used frozen and never stored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from spectrain.drafters.base import DraftContext, Drafter, Proposal
+from spectrain.losses import get_loss
+
+CONFIG_NAME = "drafter_config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+# ---- draft vocabulary ------------------------------------------------------------------------
+def build_draft_vocab(token_counts: torch.Tensor | None, draft_vocab_size: int,
+                      vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `draft_vocab_size` most frequent target ids (ties -> lower id), sorted -> (d2t, t2d)."""
+    if draft_vocab_size > vocab_size:
+        raise ValueError(f"drafter.eagle3.draft_vocab_size={draft_vocab_size} is larger than the target's "
+                         f"vocabulary ({vocab_size}); use at most {vocab_size} (= the full vocabulary)")
+    if draft_vocab_size < 1:
+        raise ValueError(f"draft_vocab_size must be >= 1, got {draft_vocab_size}")
+    if draft_vocab_size == vocab_size:
+        ids = torch.arange(vocab_size)
+    else:
+        if token_counts is None:
+            raise ValueError(f"a reduced draft vocab ({draft_vocab_size} < {vocab_size}) is built from token "
+                             "frequencies under the loss mask; pass token_counts (data.token_frequencies)")
+        if token_counts.numel() != vocab_size:
+            raise ValueError(f"token_counts has {token_counts.numel()} entries, the target vocab {vocab_size}")
+        order = torch.sort(token_counts.double().cpu(), descending=True, stable=True).indices
+        ids = torch.sort(order[:draft_vocab_size]).values
+    d2t = (ids - torch.arange(draft_vocab_size)).long()
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return d2t, t2d
+
+
+def config_from_target(target, eagle3_cfg, aux_layers: list[int], draft_vocab_size: int) -> dict:
+    """The drafter's decoder-layer config, derived from the target's unless overridden."""
+    tc = target.config
+    heads = eagle3_cfg.num_attention_heads or tc.num_attention_heads
+    kv_heads = getattr(tc, "num_key_value_heads", None) or heads
+    if eagle3_cfg.num_attention_heads or heads % kv_heads:
+        kv_heads = heads  # an override drops the target's GQA grouping (it may not divide)
+    hidden = target.hidden_size
+    head_dim = getattr(tc, "head_dim", None) if not eagle3_cfg.num_attention_heads else None
+    rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default",
+                                                     "rope_theta": getattr(tc, "rope_theta", 10000.0)}
+    return {
+        "kind": "eagle3", "target": target.name_or_path, "aux_layers": list(aux_layers),
+        "target_hidden_size": hidden, "target_vocab_size": target.vocab_size, "hidden_size": hidden,
+        "draft_vocab_size": draft_vocab_size, "num_layers": eagle3_cfg.num_layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim or hidden // heads,
+        "intermediate_size": eagle3_cfg.intermediate_size or tc.intermediate_size,
+        "rms_norm_eps": getattr(tc, "rms_norm_eps", 1e-6), "rope_parameters": dict(rope),
+        "max_position_embeddings": getattr(tc, "max_position_embeddings", 4096), "hidden_act": "silu",
+        "norm_before_residual": False, "ttt_steps": eagle3_cfg.ttt_steps, "ttt_decay": eagle3_cfg.ttt_decay,
+    }
+
+
+def layer_config(cfg: dict) -> LlamaConfig:
+    """A Llama config for the draft decoder layer (RoPE helper here; `transformer_layer_config` on export)."""
+    return LlamaConfig(
+        vocab_size=cfg["target_vocab_size"], hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_layers"],
+        intermediate_size=cfg["intermediate_size"], num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
+        rms_norm_eps=cfg["rms_norm_eps"], rope_parameters=dict(cfg["rope_parameters"]),
+        max_position_embeddings=cfg["max_position_embeddings"], hidden_act="silu", tie_word_embeddings=False)
+
+
+# ---- modules ---------------------------------------------------------------------------------
+class Attention(nn.Module):
+    def __init__(self, in_dim: int, cfg: dict):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        self.q_proj = nn.Linear(in_dim, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(in_dim, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(in_dim, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg["hidden_size"], bias=False)
+
+    def forward(self, x, cos, sin, attend):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        rep = self.nh // self.nkv
+        # keys/values handed to `attend` are already expanded to the query heads
+        out = attend(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h, i = cfg["hidden_size"], cfg["intermediate_size"]
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Layer 0 is the EAGLE-3 layer: attention over cat(norm(embedding), norm(hidden)), residual = hidden.
+    Further layers (num_layers > 1) are plain pre-norm Llama layers on the hidden state."""
+
+    def __init__(self, cfg: dict, fused: bool):
+        super().__init__()
+        h, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+        self.fused = fused
+        self.input_layernorm = LlamaRMSNorm(h, eps)
+        if fused:
+            self.hidden_norm = LlamaRMSNorm(h, eps)
+        self.self_attn = Attention(2 * h if fused else h, cfg)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, hidden, emb, cos, sin, attend):
+        if self.fused:
+            x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)
+        else:
+            x = self.input_layernorm(hidden)
+        hidden = hidden + self.self_attn(x, cos, sin, attend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def attend_masked(q, k, v, mask):
+    """Plain softmax attention; mask [..., q, kv] bool (True = attend). fp32 softmax."""
+    s = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    return (s.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)) @ v
+
+
+class TTTAttention:
+    """Per-layer attention state for one TTT unroll: step-0 keys causally, later steps' keys diagonally."""
+
+    def __init__(self, mask0: torch.Tensor):
+        self.mask0, self.ks, self.vs = mask0, [], []
+
+    def __call__(self, q, k, v):
+        self.ks.append(k)
+        self.vs.append(v)
+        scale = q.shape[-1] ** -0.5
+        s0 = (q @ self.ks[0].transpose(-1, -2)).float() * scale
+        s0 = s0.masked_fill(~self.mask0, float("-inf"))
+        diag = [((q * kj).sum(-1).float() * scale).unsqueeze(-1) for kj in self.ks[1:]]
+        p = torch.cat([s0, *diag], -1).softmax(-1).to(v.dtype)
+        t = s0.shape[-1]
+        out = p[..., :t] @ self.vs[0]
+        for j, vj in enumerate(self.vs[1:]):
+            out = out + p[..., t + j: t + j + 1] * vj
+        return out
+
+
+def _shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x[:, n:] right-padded with `fill` back to length T (dim 1)."""
+    if n == 0:
+        return x
+    pad = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], pad], 1)
+
+
+# ---- the trainable head ----------------------------------------------------------------------
+class Eagle3Drafter(nn.Module):
+    kind = "eagle3"
+
+    def __init__(self, cfg: dict, d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None):
+        super().__init__()
+        self.config = dict(cfg)
+        h, d = cfg["hidden_size"], cfg["draft_vocab_size"]
+        self.aux_layers = list(cfg["aux_layers"])
+        self.fc = nn.Linear(len(self.aux_layers) * cfg["target_hidden_size"], h, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, fused=i == 0) for i in range(cfg["num_layers"]))
+        self.norm = LlamaRMSNorm(h, cfg["rms_norm_eps"])
+        self.lm_head = nn.Linear(h, d, bias=False)
+        if d2t is None:
+            d2t, t2d = build_draft_vocab(None, d, cfg["target_vocab_size"])
+        self.register_buffer("d2t", d2t.long().clone())
+        self.register_buffer("t2d", t2d.bool().clone())
+        self.rotary = LlamaRotaryEmbedding(layer_config(cfg))
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_recipe(cls, recipe, target, token_counts: torch.Tensor | None) -> Eagle3Drafter:
+        e = recipe.drafter.eagle3
+        aux = target.validate_aux_layers(list(e.aux_layers) or target.default_aux_layers())
+        d2t, t2d = build_draft_vocab(token_counts, e.draft_vocab_size, target.vocab_size)
+        cfg = config_from_target(target, e, aux, e.draft_vocab_size)
+        cfg["loss"] = recipe.drafter.loss
+        return cls(cfg, d2t, t2d).to(target.device)
+
+    def feature_spec(self) -> dict:
+        return {"aux_layers": list(self.aux_layers), "want_last_hidden": True}
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """[D] target id of every draft id."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    # ---- one draft step ----------------------------------------------------------------------
+    def step(self, emb, hidden, position_ids, attends) -> tuple[torch.Tensor, torch.Tensor]:
+        """emb/hidden [B,T,H] -> (layer output [B,T,H] fed to the next step, draft-vocab logits)."""
+        cos, sin = self.rotary(hidden, position_ids)
+        for layer, attend in zip(self.layers, attends):
+            hidden = layer(hidden, emb, cos, sin, attend)
+        return hidden, self.lm_head(self.norm(hidden))
+
+    def _inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.fc.weight.dtype)
+
+    def ttt_logits(self, input_ids, attention_mask, aux, target, steps: int | None = None) -> list[torch.Tensor]:
+        """Unrolled TTT forward: per step i, logits [B,T,D] at every anchor t (see module docstring)."""
+        steps = steps or self.config["ttt_steps"]
+        b, t = input_ids.shape
+        am = attention_mask.bool()
+        pos0 = (am.long().cumsum(1) - 1).clamp_min(0)
+        idx = torch.arange(t, device=input_ids.device)
+        causal = idx[None, :] <= idx[:, None]
+        # a padded query still sees itself, so no softmax row is empty
+        mask0 = (causal[None] & (am[:, None, :] | torch.eye(t, dtype=torch.bool, device=am.device)))[:, None]
+        attends = [TTTAttention(mask0) for _ in self.layers]
+        hidden = self.fc(self._inputs(aux))
+        out = []
+        for i in range(steps):
+            with torch.no_grad():
+                emb = self._inputs(target.embed(_shift(input_ids, 1 + i)))
+            hidden, logits = self.step(emb, hidden, pos0 + i, attends)
+            out.append(logits)
+        return out
+
+    # ---- training ----------------------------------------------------------------------------
+    def train_loss(self, batch: dict, feats: dict, target) -> tuple[torch.Tensor, dict[str, float]]:
+        ids, am, lm = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
+        steps, decay = self.config["ttt_steps"], self.config["ttt_decay"]
+        loss_fn = get_loss(self.config.get("loss", "fkl"))
+        with torch.no_grad():
+            tlogits = target.logits_from_last_hidden(feats["last_hidden"])
+            in_vocab = self.t2d[tlogits.argmax(-1)]
+            teacher = tlogits[..., self.draft_ids].float()  # restricted; its softmax is renormalised
+            del tlogits
+        logits = self.ttt_logits(ids, am, feats["aux"], target, steps)
+        total = torch.zeros((), device=ids.device)
+        metrics: dict[str, float] = {}
+        run = torch.ones_like(am)  # all earlier steps correct at this anchor
+        sim, prod = 1.0, 1.0
+        for i, lg in enumerate(logits):
+            tch = _shift(teacher, 1 + i)
+            mask = _shift(lm & am, 2 + i, False) & _shift(in_vocab, 1 + i, False)
+            li = loss_fn(lg, tch, mask)
+            total = total + decay**i * li
+            with torch.no_grad():
+                correct = (lg.argmax(-1) == tch.argmax(-1)) & mask
+                n = int(mask.sum())
+                acc = correct.sum().item() / max(n, 1)
+                cond_n = int((mask & run).sum())
+                metrics[f"cond_acc_{i}"] = (correct & run).sum().item() / max(cond_n, 1)
+                run = run & correct
+            metrics[f"loss_{i}"], metrics[f"acc_{i}"] = float(li.detach()), acc
+            prod *= acc
+            sim += prod
+            if i == 0:
+                metrics["tokens"] = float(n)
+                # assistant tokens whose predicting position has its target argmax outside the draft vocab
+                asst = lm[:, 1:] & am[:, 1:]
+                metrics["frac_out_of_draft_vocab"] = float((asst & ~in_vocab[:, :-1]).sum()) / max(
+                    float(asst.sum()), 1.0)
+        metrics["loss"] = float(total.detach())
+        metrics["sim_tau"] = sim  # PROXY: teacher-forced greedy top-1 agreement, +1 bonus token
+        return total, metrics
+
+    # ---- persistence -------------------------------------------------------------------------
+    def save_pretrained(self, path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "kind": "eagle3"})
+        (path / CONFIG_NAME).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, path, target) -> Eagle3Drafter:
+        path = Path(path)
+        cfg_file = path / CONFIG_NAME
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{cfg_file} not found: not a spectrain EAGLE-3 checkpoint directory")
+        cfg = json.loads(cfg_file.read_text())
+        if cfg.get("kind") != "eagle3":
+            raise ValueError(f"{cfg_file} is a {cfg.get('kind')!r} drafter, not eagle3")
+        for key, have in (("target_hidden_size", target.hidden_size), ("target_vocab_size", target.vocab_size)):
+            if cfg[key] != have:
+                raise ValueError(f"EAGLE-3 head at {path} was trained for a target with {key}={cfg[key]}, "
+                                 f"this target ({target.name_or_path}) has {have}: wrong target?")
+        target.validate_aux_layers(cfg["aux_layers"])
+        state = load_file(str(path / WEIGHTS_NAME))
+        model = cls(cfg, state["d2t"], state["t2d"])
+        model.load_state_dict(state, strict=True)
+        return model.to(target.device)
+
+
+# ---- decoding adapter ------------------------------------------------------------------------
+class Eagle3Proposer(Drafter):
+    """Decoding-side EAGLE-3: a KV cache of step-0 entries built from *true* target features for
+    every committed position; drafted nodes live only in per-proposal temporary K/V, so rolling back
+    after verification needs nothing (the accepted tokens' true features arrive with the next call)."""
+
+    name = "eagle3"
+    supports_tree = True
+
+    def __init__(self, model: Eagle3Drafter, target):
+        self.model = model.eval()
+        self.target = target
+        self.aux_layers = list(model.aux_layers)
+        self.begin(None)
+
+    def begin(self, prompt: torch.Tensor | None) -> None:
+        self.cache = self._empty()  # per layer (K, V) [1, heads, n, head_dim], keys already rotated
+        self.n = 0  # committed positions whose step-0 entry is cached
+        self.root_hidden = self.root_logits = None
+
+    def commit(self, accepted: list[int]) -> None:
+        pass  # drafted K/V were temporary; see the class docstring
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _empty(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c, w = self.model.config, self.model.fc.weight
+        z = w.new_zeros(1, c["num_attention_heads"], 0, c["head_dim"])
+        return [(z, z) for _ in self.model.layers]
+
+    def _run(self, emb, hidden, positions, mask, temp):
+        """One step for m rows attending to cache + temp + themselves (mask [m, n + n_temp + m]).
+        Returns (layer output [1,m,H], logits [m,D] fp32, the rows' new per-layer K/V)."""
+        new = []
+
+        def make(li):
+            def attend(q, k, v):
+                new.append((k, v))
+                (ck, cv), (tk, tv) = self.cache[li], temp[li]
+                return attend_masked(q, torch.cat([ck, tk, k], 2), torch.cat([cv, tv, v], 2), mask)
+            return attend
+
+        m = self.model
+        h, logits = m.step(m._inputs(emb)[None], hidden, positions[None], [make(i) for i in range(len(m.layers))])
+        return h, logits[0].float(), new
+
+    @staticmethod
+    def _append(kv, new):
+        return [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(kv, new)]
+
+    def _ingest(self, ctx: DraftContext) -> None:
+        f, total = ctx.features, int(ctx.tokens.numel())
+        if f is not None and len(f):
+            if f.aux is None:
+                raise ValueError("EAGLE-3 needs ctx.features.aux (the target's aux-layer inputs); the decoder "
+                                 f"must request layers {self.aux_layers}")
+            if f.start > self.n:
+                raise ValueError(f"EAGLE-3 drafter got features from position {f.start} but has only {self.n} "
+                                 "cached: features for committed positions were skipped")
+            if f.start < self.n:  # re-sent features: recompute from there
+                self.cache = [(k[:, :, :f.start], v[:, :, :f.start]) for k, v in self.cache]
+                self.n = f.start
+            n_new = len(f)
+            if f.start + n_new > total - 1:
+                raise ValueError(f"features reach position {f.start + n_new - 1} but the last committed token "
+                                 f"is at {total - 1}; features must lag the tokens by one (base.py contract)")
+            m = self.model
+            emb = self.target.embed(ctx.tokens[f.start + 1: f.start + 1 + n_new])
+            hidden = m.fc(m._inputs(f.aux))[None]
+            pos = torch.arange(f.start, f.start + n_new, device=hidden.device)
+            causal = torch.ones(n_new, n_new, dtype=torch.bool, device=hidden.device).tril()
+            mask = torch.cat([causal.new_ones(n_new, self.n), causal], 1)
+            h, logits, new = self._run(emb, hidden, pos, mask, self._empty())
+            self.cache = self._append(self.cache, new)
+            self.n = f.start + n_new
+            self.root_hidden, self.root_logits = h[:, -1:], logits[-1]
+        if self.n != total - 1 or self.root_logits is None:
+            raise ValueError(f"EAGLE-3 drafter has features for {self.n} positions but {total} tokens are "
+                             f"committed; the decoder must hand over features for positions up to {total - 2}")
+
+    def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits -> target-vocab logits (-inf outside the draft vocab)."""
+        full = logits.new_full((self.target.vocab_size,), float("-inf"))
+        full[self.model.draft_ids] = logits
+        return full
+
+    def _children(self, logits, n: int, sampler):
+        """n children of one node: (target ids [n], log q [n], q row [V] or None)."""
+        if sampler.greedy:
+            top = logits.log_softmax(-1).topk(min(n, logits.numel()))
+            return self.model.draft_ids[top.indices], top.values, None
+        q = sampler.probs(self._full_logits(logits))
+        # i.i.d. draws from q: what recursive rejection over siblings assumes
+        toks = torch.multinomial(q, n, replacement=True, generator=sampler.generator)
+        return toks, q[toks].log(), q
+
+    # ---- proposing ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> Proposal:
+        if ctx.tokens.numel() < 2:  # a 1-token prompt: no target features to condition on yet
+            return Proposal(tokens=ctx.tokens.new_zeros(0))
+        self._ingest(ctx)
+        if ctx.tree is not None:
+            return self._tree(ctx)
+        h, logits, temp = self.root_hidden, self.root_logits, self._empty()
+        toks, qs = [], []
+        for j in range(ctx.k):
+            tok, _, q = self._children(logits, 1, ctx.sampler)
+            toks.append(tok)
+            qs.append(q)
+            if j == ctx.k - 1:
+                break
+            # drafted token j+1 sits at position n + j and sees the whole cache + drafted 0..j
+            mask = torch.ones(1, self.n + j + 1, dtype=torch.bool, device=h.device)
+            pos = torch.tensor([self.n + j], device=h.device)
+            h, lg, new = self._run(self.target.embed(tok), h, pos, mask, temp)
+            temp, logits = self._append(temp, new), lg[0]
+        tokens = torch.cat(toks) if toks else torch.zeros(0, dtype=torch.long, device=self.root_logits.device)
+        probs = None if ctx.sampler.greedy or not qs else torch.stack(qs)
+        return Proposal(tokens=tokens.long(), probs=probs)
+
+    def _tree(self, ctx: DraftContext) -> Proposal:
+        """EAGLE-2 dynamic tree: per depth, expand the `topk` best nodes (cumulative draft log-prob) by
+        `topk` children each; keep the best `total_tokens` nodes (greedy) or whole sibling groups in
+        order of their parent's score (sampling: dropping individual draws would bias the verifier)."""
+        opts, sampler = ctx.tree, ctx.sampler
+        topk, total = int(opts.get("topk", 4)), int(opts.get("total_tokens", 32))
+        dev = self.root_logits.device
+        tok, lq, q = self._children(self.root_logits, topk, sampler)
+        node_tok, node_par, node_score, node_depth, node_q = list(tok), [-1] * len(tok), list(lq), [1] * len(tok), \
+            [q] * len(tok)
+        fwd_of: dict[int, int] = {}  # node -> row in temp K/V
+        fwd_hidden, fwd_anc = [], []  # per forwarded row: layer output, ancestor rows (incl. itself)
+        temp, layer = self._empty(), list(range(len(tok)))
+        for d in range(2, ctx.k + 1):
+            expand = sorted(layer, key=lambda i: -float(node_score[i]))[:topk]
+            m, base = len(expand), len(fwd_hidden)
+            anc = torch.zeros(m, base, dtype=torch.bool, device=dev)
+            hid = []
+            for r, i in enumerate(expand):
+                p = node_par[i]
+                if p >= 0:
+                    anc[r, : fwd_anc[fwd_of[p]].numel()] = fwd_anc[fwd_of[p]]
+                hid.append(self.root_hidden[0, 0] if p < 0 else fwd_hidden[fwd_of[p]])
+            mask = torch.cat([anc.new_ones(m, self.n), anc, torch.eye(m, dtype=torch.bool, device=dev)], 1)
+            pos = torch.full((m,), self.n + d - 2, device=dev)
+            h, lg, new = self._run(self.target.embed(torch.stack([node_tok[i] for i in expand])),
+                                   torch.stack(hid)[None], pos, mask, temp)
+            temp, layer = self._append(temp, new), []
+            for r, i in enumerate(expand):
+                fwd_of[i] = base + r
+                fwd_hidden.append(h[0, r])
+                row = torch.zeros(base + m, dtype=torch.bool, device=dev)
+                row[: anc.shape[1]] = anc[r]
+                row[base + r] = True
+                fwd_anc.append(row)
+                tok, lq, q = self._children(lg[r], topk, sampler)
+                layer += range(len(node_tok), len(node_tok) + len(tok))
+                node_tok += list(tok)
+                node_par += [i] * len(tok)
+                node_score += list(node_score[i] + lq)
+                node_depth += [d] * len(tok)
+                node_q += [q] * len(tok)
+        keep = self._select(node_par, [float(s) for s in node_score], node_depth, total, sampler.greedy)
+        order = sorted(keep, key=lambda i: (node_depth[i], i))  # parents before children
+        new_index = {old: new for new, old in enumerate(order)}
+        parents = torch.tensor([-1 if node_par[i] < 0 else new_index[node_par[i]] for i in order], device=dev)
+        tokens = torch.stack([node_tok[i] for i in order]).long()
+        probs = None if sampler.greedy else torch.stack([node_q[i] for i in order])
+        return Proposal(tokens=tokens, parents=parents, probs=probs)
+
+    @staticmethod
+    def _select(par: list[int], score: list[float], depth: list[int], total: int, greedy: bool) -> set[int]:
+        # a parent's cumulative log-prob is >= its children's and its depth smaller, so walking nodes
+        # by (-score, depth) always meets a parent before its children
+        rank = sorted(range(len(par)), key=lambda i: (-score[i], depth[i], i))
+        keep: set[int] = set()
+        if greedy:
+            for i in rank:
+                if len(keep) >= total:
+                    break
+                if par[i] < 0 or par[i] in keep:
+                    keep.add(i)
+            return keep
+        groups: dict[int, list[int]] = {}
+        for i, p in enumerate(par):
+            groups.setdefault(p, []).append(i)
+        for p in [-1, *rank]:
+            if p in groups and (p < 0 or p in keep):
+                keep.update(groups[p][: max(0, total - len(keep))])  # a prefix of i.i.d. draws is i.i.d.
+        return keep
+
+
+def load(path, target) -> Eagle3Proposer:
+    """Registry entry (drafters/__init__.py: {"eagle3": eagle3.load}): a decoding-ready EAGLE-3 drafter."""
+    return Eagle3Proposer(Eagle3Drafter.from_pretrained(path, target), target)

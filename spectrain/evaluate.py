@@ -1,0 +1,441 @@
+"""`spectrain eval`: lossless speculative decoding over prompt sets, against a plain baseline.
+
+    spectrain eval --target assets/reference-target --drafter ngram --n 10
+    spectrain eval --recipe recipes/tiny/eagle3.yaml --drafter runs/tiny-eagle3/best --drafter ngram \
+        --prompts heldout --prompts spec_bench/rag --k 3 --k 5 --temperature 0 --temperature 1
+
+For every (drafter, k or tree, temperature) and every prompt set it runs
+``spectrain.decoding.speculative_generate`` and, in the same run on the same prompts, the plain
+target (``plain_generate``), then writes report.json, report.md and PNG plots under ``--out``
+(see spectrain/report.py for the metric conventions).
+
+Prompt sets are a plain dict (``PROMPT_SETS``): the held-out split of a recipe's training data
+("held-out") and the shipped public sets in eval/prompts/ ("OOD" unless ``--in-domain`` says the
+drafter was trained on that domain). Any other ``--prompts`` value that is a file path is read as
+JSONL with ``turns`` / ``messages`` / ``prompt`` / ``question`` records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+PROMPTS_DIR = Path(__file__).resolve().parents[1] / "eval" / "prompts"
+SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+DEFAULT_OOD_SETS = [f"spec_bench/{c}" for c in SPEC_BENCH_CATEGORIES] + ["humaneval"]
+
+
+# ---- prompt sets --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptSet:
+    name: str
+    split: str  # "held-out" | "in-domain" | "OOD"
+    prompts: list[list[dict]]  # chat message lists ending with the first user turn
+    source: str
+    skipped: Counter = field(default_factory=Counter)  # reason -> count (malformed lines, too long ...)
+    truncated: int = 0  # prompts cut to --max-prompt-tokens (kept)
+    bad_lines: list[int] = field(default_factory=list)  # first malformed line numbers, to find them
+    n_used: int = 0  # prompts actually run (the first --n that fit)
+
+
+def _iter_jsonl(path: Path):
+    """(line number, record or None if the line is not valid JSON) for every non-blank line."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError:
+                yield lineno, None
+
+
+def _first_user_turn(rec: dict) -> list[dict] | None:
+    """The messages up to the first user turn: later turns depend on the model's own answers."""
+    if isinstance(rec.get("turns"), list) and rec["turns"]:
+        text = rec["turns"][0]
+        return [{"role": "user", "content": text}] if isinstance(text, str) and text.strip() else None
+    msgs = rec.get("messages") or rec.get("conversations")
+    if isinstance(msgs, list):
+        out = []
+        for m in msgs:
+            if not isinstance(m, dict):
+                return None
+            role = m.get("role", {"human": "user", "gpt": "assistant"}.get(m.get("from"), m.get("from")))
+            content = m.get("content", m.get("value"))
+            if not isinstance(content, str) or not content.strip():
+                return None
+            out.append({"role": role, "content": content})
+            if role == "user":
+                return out
+        return None
+    for key in ("prompt", "question", "instruction"):
+        text = rec.get(key)
+        if isinstance(text, str) and text.strip():
+            return [{"role": "user", "content": text}]
+    return None
+
+
+def load_jsonl_set(name: str, path: Path, keep=None) -> PromptSet:
+    """Every usable record of a JSONL(.gz) file, in file order; bad lines are skipped and counted."""
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt set {name!r}: file {path} not found (see eval/prompts/README.md)")
+    ps = PromptSet(name=name, split="OOD", prompts=[], source=str(path))
+    for lineno, rec in _iter_jsonl(path):
+        if rec is None or not isinstance(rec, dict):
+            ps.skipped["malformed line (not a JSON object)"] += 1
+            ps.bad_lines.append(lineno)
+            continue
+        if keep is not None and not keep(rec):
+            continue  # another category of the same file: not a skip
+        msgs = _first_user_turn(rec)
+        if msgs is None:
+            ps.skipped["malformed line (no usable prompt text)"] += 1
+            ps.bad_lines.append(lineno)
+        else:
+            ps.prompts.append(msgs)
+    return ps
+
+
+def _spec_bench(category: str, prompts_dir: Path, recipe=None) -> PromptSet:
+    others = set(SPEC_BENCH_CATEGORIES) - {"mt_bench"}
+    # Spec-Bench's MT-bench part carries the 8 MT-bench categories rather than "mt_bench".
+    keep = (lambda r: r.get("category") not in others) if category == "mt_bench" else (
+        lambda r: r.get("category") == category)
+    return load_jsonl_set(f"spec_bench/{category}", prompts_dir / "spec_bench_question.jsonl", keep)
+
+
+def _heldout(prompts_dir: Path, recipe=None) -> PromptSet:
+    if recipe is None:
+        raise ValueError("prompt set 'heldout' is the held-out split of a recipe's training data: pass --recipe R")
+    from spectrain.data import heldout_prompts
+
+    # All of the split (data.heldout_rows caps it): --n picks from these after the length filter.
+    convs = heldout_prompts(recipe.data, 10**9)
+    prompts = [m for m in (_first_user_turn({"messages": c}) for c in convs) if m]
+    return PromptSet("heldout", "held-out", prompts, source=", ".join(recipe.data.train_files))
+
+
+PROMPT_SETS = {
+    "heldout": _heldout,
+    **{f"spec_bench/{c}": partial(_spec_bench, c) for c in SPEC_BENCH_CATEGORIES},
+    "mt_bench": lambda d, recipe=None: load_jsonl_set("mt_bench", d / "mt_bench_question.jsonl"),
+    "gsm8k": lambda d, recipe=None: load_jsonl_set("gsm8k", d / "gsm8k_test.jsonl"),
+    "humaneval": lambda d, recipe=None: load_jsonl_set("humaneval", d / "HumanEval.jsonl.gz"),
+}
+
+
+def load_prompt_set(name: str, prompts_dir: Path = PROMPTS_DIR, recipe=None,
+                    in_domain: tuple[str, ...] = ()) -> PromptSet:
+    """A registered set by name, or a JSONL file path. An empty set is an error naming the cause."""
+    if name in PROMPT_SETS:
+        ps = PROMPT_SETS[name](Path(prompts_dir), recipe=recipe)
+    elif Path(name).is_file():
+        ps = load_jsonl_set(Path(name).name.split(".")[0], Path(name))
+    else:
+        raise ValueError(f"unknown prompt set {name!r}: use one of {', '.join(PROMPT_SETS)} or a JSONL file path")
+    trained_on = {Path(f).name for f in recipe.data.train_files} if recipe is not None else set()
+    if ps.split == "OOD" and (name in in_domain or ps.name in in_domain or Path(ps.source).name in trained_on):
+        ps.split = "in-domain"  # the user says so, or the recipe trains on this very file
+    if not ps.prompts:
+        why = "; ".join(f"{c} x {r}" for r, c in ps.skipped.items()) or "the file has no records"
+        where = f" (lines {', '.join(map(str, ps.bad_lines[:10]))})" if ps.bad_lines else ""
+        raise ValueError(f"prompt set {ps.name!r} has no usable prompts in {ps.source}: {why}{where}; each line "
+                         "must be a JSON object with 'turns', 'messages', 'prompt' or 'question'")
+    if ps.bad_lines:
+        print(f"note: prompt set {ps.name!r}: skipped {len(ps.bad_lines)} malformed line(s) of {ps.source} "
+              f"(line {', '.join(map(str, ps.bad_lines[:10]))}{' ...' if len(ps.bad_lines) > 10 else ''})",
+              file=sys.stderr)
+    return ps
+
+
+def _render(tokenizer, msgs: list[dict], chat_template: bool) -> list[int]:
+    if not chat_template:
+        return tokenizer("\n\n".join(m["content"] for m in msgs))["input_ids"]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _truncate(tokenizer, msgs: list[dict], ids: list[int], limit: int, chat_template: bool) -> list[int]:
+    """Cut the middle of the last message so the rendered prompt has <= `limit` tokens. The middle,
+    because instructions sit at the start ("Summarize: ...") and questions at the end (RAG)."""
+    content = tokenizer(msgs[-1]["content"], add_special_tokens=False)["input_ids"]
+    over = len(ids) - limit + len(tokenizer(" ... ", add_special_tokens=False)["input_ids"])
+    for margin in (1, 8, 32):  # re-tokenising at the cut can merge differently: retry with more room
+        keep = len(content) - over - margin
+        if keep <= 0:
+            break
+        head = keep // 3
+        text = tokenizer.decode(content[:head]) + " ... " + tokenizer.decode(content[len(content) - (keep - head):])
+        new = _render(tokenizer, msgs[:-1] + [{**msgs[-1], "content": text}], chat_template)
+        if len(new) <= limit:
+            return new
+    return ids[-limit:]  # the template alone is longer than the limit: keep the end (generation prompt)
+
+
+def encode_prompts(ps: PromptSet, tokenizer, n: int, max_len: int | None, max_prompt_tokens: int | None = None,
+                   chat_template: bool = True) -> list[list[int]]:
+    """The first `n` prompts that fit, rendered with the target's chat template; over-long ones on the
+    way are skipped and counted (never silently cut: truncation is opt-in via `max_prompt_tokens`)."""
+    out: list[list[int]] = []
+    for msgs in ps.prompts:
+        if len(out) >= n:
+            break
+        ids = _render(tokenizer, msgs, chat_template)
+        if max_prompt_tokens and len(ids) > max_prompt_tokens:
+            ids = _truncate(tokenizer, msgs, ids, max_prompt_tokens, chat_template)
+            ps.truncated += 1
+        if max_len is not None and len(ids) > max_len:
+            ps.skipped["prompt too long for the context window"] += 1
+            continue
+        out.append(ids)
+    if not out:
+        raise ValueError(
+            f"prompt set {ps.name!r}: every prompt is longer than the {max_len} tokens that fit the target's "
+            "context window with --max-new-tokens; lower --max-new-tokens or truncate with --max-prompt-tokens"
+        )
+    return out
+
+
+# ---- arguments ----------------------------------------------------------------------------------------------
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.description = __doc__.split("\n\n")[0]
+    p.add_argument("--target", help="target model (local HF dir or hub id); default: the recipe's target")
+    p.add_argument("--recipe", help="recipe YAML: gives the held-out prompt set and the default target")
+    p.add_argument("--drafter", action="append", default=None,
+                   help="'ngram', a trained drafter dir, an HF draft model path, or 'none' (baseline only); "
+                        "repeatable (default: ngram)")
+    p.add_argument("--prompts", action="append", default=None,
+                   help=f"prompt set ({', '.join(PROMPT_SETS)}) or a JSONL file; repeatable "
+                        f"(default: heldout when --recipe is given, plus {', '.join(DEFAULT_OOD_SETS)})")
+    p.add_argument("--prompts-dir", default=str(PROMPTS_DIR), help="where the shipped prompt files are")
+    p.add_argument("--in-domain", action="append", default=[],
+                   help="tag this prompt set 'in-domain' instead of OOD (the drafter trained on its domain)")
+    p.add_argument("--n", type=int, default=10,
+                   help="prompts per set: the first N usable ones that fit the context window, in file order")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="cut the middle of longer prompts to fit M tokens (default: skip prompts that do not fit)")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the raw prompt text (base models)")
+    p.add_argument("--k", action="append", type=int, default=None, help="draft length; repeatable (default 5)")
+    p.add_argument("--tree", action="append", default=[],
+                   help="tree config, e.g. topk=4,depth=5,total=32; repeatable (drafters with tree support only)")
+    p.add_argument("--temperature", action="append", type=float, default=None,
+                   help="0 = greedy; repeatable (default: 0 and 1)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling for T > 0 (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling for T > 0 (0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="prompt i uses seed+i, for the baseline and every drafter")
+    p.add_argument("--cost-ratio", type=float, default=None,
+                   help="c = one draft step's cost relative to one target pass, for the predicted speedup "
+                        "tau/(1+k*c) (default: the c measured in this run, labelled as measured)")
+    p.add_argument("--out", default=None, help="output dir (default runs/eval-<UTC timestamp>)")
+    p.add_argument("--report-to", choices=["none", "wandb"], default="none",
+                   help="also log curves and tables to wandb (WANDB_MODE=offline works without network)")
+    p.add_argument("--wandb-project", default="spectrain", help="wandb project name")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    return p
+
+
+def parse_tree(spec: str) -> dict:
+    """'topk=4,depth=5,total=32' -> {'topk': 4, 'depth': 5, 'total_tokens': 32}."""
+    names = {"topk": "topk", "depth": "depth", "total": "total_tokens", "total_tokens": "total_tokens"}
+    tree = {}
+    for part in filter(None, (s.strip() for s in spec.split(","))):
+        key, _, val = part.partition("=")
+        if key not in names or not val.isdigit() or int(val) <= 0:
+            raise ValueError(f"--tree {spec!r}: expected positive integers for topk=,depth=,total=, "
+                             f"e.g. topk=4,depth=5,total=32 (bad part {part!r})")
+        tree[names[key]] = int(val)
+    if "depth" not in tree or "topk" not in tree:
+        raise ValueError(f"--tree {spec!r}: needs at least topk= and depth=, e.g. topk=4,depth=5,total=32")
+    tree.setdefault("total_tokens", tree["topk"] * tree["depth"])
+    return tree
+
+
+def validate_args(args) -> None:
+    """Bad numbers fail before any model is loaded, each with the fix."""
+    args.k = args.k or [5]
+    args.temperature = args.temperature if args.temperature is not None else [0.0, 1.0]
+    args.drafter = args.drafter or ["ngram"]
+    checks = [
+        (all(k > 0 for k in args.k), f"--k must be >= 1, got {args.k}"),
+        (all(t >= 0 for t in args.temperature), f"--temperature must be >= 0 (0 = greedy), got {args.temperature}"),
+        (0.0 < args.top_p <= 1.0, f"--top-p must be in (0, 1], got {args.top_p}"),
+        (args.top_k >= 0, f"--top-k must be >= 0 (0 = off), got {args.top_k}"),
+        (args.n >= 1, f"--n must be >= 1, got {args.n}"),
+        (args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
+        (args.max_prompt_tokens is None or args.max_prompt_tokens >= 1, "--max-prompt-tokens must be >= 1"),
+        (args.cost_ratio is None or args.cost_ratio >= 0, f"--cost-ratio must be >= 0, got {args.cost_ratio}"),
+        (args.target or args.recipe, "give --target (a model dir or hub id) or --recipe"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
+    args.tree = [parse_tree(t) for t in args.tree]
+
+
+# ---- running ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeConfig:
+    k: int
+    tree: dict | None
+    temperature: float
+
+    @property
+    def label(self) -> str:
+        t = self.tree
+        shape = f"k={self.k}" if t is None else f"tree topk={t['topk']},depth={t['depth']},total={t['total_tokens']}"
+        return f"{shape} T={self.temperature:g}"
+
+
+def _new_cell() -> dict:
+    return {"tokens": 0, "seconds": 0.0, "outputs": [], "stats": []}
+
+
+def _decode_into(cell: dict, fn, **kw) -> None:
+    """One prompt through `fn` (plain or speculative), timed end to end, accumulated into `cell`."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn(**kw)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    cell["seconds"] += time.perf_counter() - t0
+    cell["tokens"] += len(out.tokens)
+    cell["outputs"].append(list(out.tokens))
+    cell["stats"].append(out.stats)
+
+
+def run_cells(target, drafters: dict, plan: dict, sets: list[PromptSet], encoded: dict, args, bar) -> dict:
+    """Every cell of the grid, prompt by prompt: the baseline and each drafter config take turns on the same
+    prompt, so load drift on a shared machine hits both sides of the measured speedup alike."""
+    from spectrain.decoding import plain_generate, speculative_generate
+
+    cells: dict = {}
+    for ps in sets:
+        for temp in args.temperature:
+            todo = [(d, cfg) for d, cfgs in plan.items() for cfg in cfgs if cfg.temperature == temp]
+            base = cells.setdefault(("plain", f"T={temp:g}", ps.name), _new_cell())
+            bar.set_postfix_str(f"T={temp:g} {ps.name}")
+            for i, ids in enumerate(encoded[ps.name]):
+                common = dict(target=target, input_ids=torch.tensor(ids, device=target.device),
+                              max_new_tokens=args.max_new_tokens, temperature=temp, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed + i)
+                _decode_into(base, plain_generate, **common)
+                for d, cfg in todo:
+                    _decode_into(cells.setdefault((d, cfg.label, ps.name), _new_cell()), speculative_generate,
+                                 drafter=drafters[d], k=cfg.k, tree=cfg.tree, **common)
+                bar.update(1 + len(todo))
+    return cells
+
+
+def _configs(args, drafter) -> list[DecodeConfig]:
+    shapes = [(k, None) for k in args.k]
+    if getattr(drafter, "supports_tree", False):
+        shapes += [(t["depth"], t) for t in args.tree]
+    elif args.tree:
+        print(f"note: drafter {getattr(drafter, 'name', drafter)!r} proposes chains only; --tree skipped for it",
+              file=sys.stderr)
+    return [DecodeConfig(k, t, temp) for temp in args.temperature for k, t in shapes]
+
+
+def main(args) -> int:
+    from tqdm.auto import tqdm
+
+    from spectrain import report
+    from spectrain.target import load_target
+
+    validate_args(args)
+    recipe = None
+    if args.recipe:
+        from spectrain.recipe import load_recipe
+
+        recipe = load_recipe(args.recipe)
+    target_name = args.target or recipe.target.name_or_path
+    names = list(dict.fromkeys(args.prompts or ((["heldout"] if recipe else []) + DEFAULT_OOD_SETS)))
+    sets = [load_prompt_set(n, Path(args.prompts_dir), recipe, tuple(args.in_domain)) for n in names]
+    target = load_target(target_name, dtype=args.dtype, device=args.device)
+    if not args.no_chat_template and not getattr(target.tokenizer, "chat_template", None):
+        raise ValueError(f"target {target_name!r} has no chat template in its tokenizer config; "
+                         "pass --no-chat-template to feed the raw prompt text")
+    ctx = target.max_positions
+    max_len = None if ctx is None else ctx - args.max_new_tokens  # the decoder refuses anything longer
+    encoded = _encode_all(sets, target.tokenizer, max_len, args)
+    drafters = _load_drafters(args.drafter, target)
+    plan = {d: _configs(args, drafters[d]) for d in drafters}
+    n_prompts = sum(len(v) for v in encoded.values())
+    total = n_prompts * (len(args.temperature) + sum(len(c) for c in plan.values()))  # decodes, baseline incl.
+    _warm_up(target, encoded[sets[0].name][0])
+    with tqdm(total=total, desc="decoded prompts", unit="prompt") as bar:
+        cells = run_cells(target, drafters, plan, sets, encoded, args, bar)
+    from spectrain.decoding import DecodeStats
+
+    baselines = {(t, ps.name): cells[("plain", f"T={t:g}", ps.name)] for t in args.temperature for ps in sets}
+    records = []
+    for d, cfgs in plan.items():
+        for cfg in cfgs:
+            for ps in sets:
+                cell = cells[(d, cfg.label, ps.name)]
+                cell["stats"] = DecodeStats.merge(cell["stats"])
+                records.append(report.make_record(d, cfg, ps, cell, baselines[(cfg.temperature, ps.name)],
+                                                  args.cost_ratio))
+    meta = report.run_metadata(args, target_name, target, sets, baselines)
+    out_dir = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    paths = report.write_all(out_dir, meta, records, report_to=args.report_to, wandb_project=args.wandb_project)
+    print(report.summary_table(records, meta))
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def _encode_all(sets: list[PromptSet], tokenizer, max_len: int | None, args) -> dict[str, list[list[int]]]:
+    """A set named with --prompts that cannot fit is an error; one from the default mix is dropped with a note
+    (e.g. Spec-Bench RAG on a short-context target) so the rest of the mix still runs."""
+    encoded = {}
+    for ps in list(sets):
+        try:
+            encoded[ps.name] = encode_prompts(ps, tokenizer, args.n, max_len, args.max_prompt_tokens,
+                                              not args.no_chat_template)
+        except ValueError as e:
+            if args.prompts or len(sets) == 1:
+                raise
+            print(f"note: dropping {ps.name!r} from the default mix: {e}", file=sys.stderr)
+            sets.remove(ps)
+            args.dropped_sets = [*getattr(args, "dropped_sets", []), {"name": ps.name, "reason": str(e)}]
+            continue
+        ps.n_used = len(encoded[ps.name])
+    return encoded
+
+
+def _load_drafters(specs: list[str], target) -> dict:
+    """'none' means baseline only; everything else goes through spectrain.drafters.load_drafter."""
+    from spectrain.drafters import load_drafter
+
+    out = {}
+    for spec in specs:
+        if spec.lower() != "none" and spec not in out:
+            out[spec] = load_drafter(spec, target)
+    return out
+
+
+def _warm_up(target, ids: list[int]) -> None:
+    """One short untimed generation so lazy init (kernels, allocator) does not land in the first timing."""
+    from spectrain.decoding import plain_generate
+
+    plain_generate(target=target, input_ids=torch.tensor(ids, device=target.device), max_new_tokens=2)

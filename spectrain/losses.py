@@ -1,0 +1,86 @@
+"""Distillation losses between a student (drafter) and a teacher (the frozen target).
+
+Every loss takes ``(student_logits [..., V], teacher_logits [..., V], mask [...])`` and returns the
+mean of the per-position loss over the positions where ``mask`` is true (0 when none is). Both
+sides are given as *logits* over the same vocabulary (for EAGLE-3: the draft vocabulary, i.e. the
+teacher restricted to it, so its softmax is the renormalised restricted distribution); working in
+log-space keeps the KL terms finite where probabilities underflow.
+
+Names follow DistillSpec: ``fkl`` = KL(p_teacher || q_student) (equals ``soft_ce`` up to the
+teacher's entropy, which has no gradient), ``rkl`` = KL(q || p), ``jsd`` = Jensen-Shannon with
+beta = 0.5, ``tvd`` = total variation 0.5 * sum |p - q|, ``hard_ce`` = cross-entropy on the
+teacher's argmax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _masked_mean(per_pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return per_pos.mean()
+    m = mask.to(per_pos.dtype)
+    # clamp: a batch whose mask is all zero contributes 0 (with a graph), not NaN
+    return (per_pos * m).sum() / m.sum().clamp_min(1.0)
+
+
+def _logps(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits {tuple(teacher_logits.shape)} "
+            "differ; both must be over the same (draft) vocabulary"
+        )
+    return F.log_softmax(student_logits.float(), -1), F.log_softmax(teacher_logits.float(), -1)
+
+
+def fkl(student_logits, teacher_logits, mask=None) -> torch.Tensor:
+    """Forward KL(p_teacher || q_student) = sum p (log p - log q)."""
+    lq, lp = _logps(student_logits, teacher_logits)
+    return _masked_mean((lp.exp() * (lp - lq)).sum(-1), mask)
+
+
+def rkl(student_logits, teacher_logits, mask=None) -> torch.Tensor:
+    """Reverse KL(q_student || p_teacher) = sum q (log q - log p) (mode-seeking)."""
+    lq, lp = _logps(student_logits, teacher_logits)
+    return _masked_mean((lq.exp() * (lq - lp)).sum(-1), mask)
+
+
+def jsd(student_logits, teacher_logits, mask=None) -> torch.Tensor:
+    """Jensen-Shannon divergence 0.5 KL(p || m) + 0.5 KL(q || m), m = (p + q) / 2 (bounded by log 2)."""
+    lq, lp = _logps(student_logits, teacher_logits)
+    lm = torch.logsumexp(torch.stack([lp, lq]), 0) - math.log(2.0)
+    per = 0.5 * (lp.exp() * (lp - lm)).sum(-1) + 0.5 * (lq.exp() * (lq - lm)).sum(-1)
+    return _masked_mean(per, mask)
+
+
+def tvd(student_logits, teacher_logits, mask=None) -> torch.Tensor:
+    """Total variation distance 0.5 * sum |p - q| (what greedy-free acceptance 1 - TVD depends on)."""
+    lq, lp = _logps(student_logits, teacher_logits)
+    return _masked_mean(0.5 * (lp.exp() - lq.exp()).abs().sum(-1), mask)
+
+
+def soft_ce(student_logits, teacher_logits, mask=None) -> torch.Tensor:
+    """Soft cross-entropy -sum p log q (the EAGLE / SpecForge loss; same gradient as fkl)."""
+    lq, lp = _logps(student_logits, teacher_logits)
+    return _masked_mean(-(lp.exp() * lq).sum(-1), mask)
+
+
+def hard_ce(student_logits, teacher_logits, mask=None) -> torch.Tensor:
+    """Cross-entropy against the teacher's argmax token (Medusa-1 style hard labels)."""
+    lq, _ = _logps(student_logits, teacher_logits)
+    labels = teacher_logits.argmax(-1, keepdim=True)
+    return _masked_mean(-lq.gather(-1, labels).squeeze(-1), mask)
+
+
+LOSSES = {"fkl": fkl, "rkl": rkl, "jsd": jsd, "tvd": tvd, "soft_ce": soft_ce, "hard_ce": hard_ce}
+
+
+def get_loss(name: str):
+    """Look a loss up by its recipe name (``drafter.loss``)."""
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
+    return LOSSES[name]

@@ -1,0 +1,456 @@
+"""Recipes: flat YAML files mapped onto typed dataclasses, with strict validation.
+
+    recipe = load_recipe("recipes/tiny/eagle3.yaml", ["training.lr=1e-4", "drafter.kind=medusa"])
+    recipe.training.grad_accum(world_size=2)
+
+- Every key must exist in the schema; a misspelt key is an error that names the closest valid key.
+- ``a.b.c=value`` overrides are converted to the field's annotated type (int, float, bool, str,
+  list[int], list[str], Literal choices) and then validated exactly like values from the file.
+- The global batch size is what a recipe states; gradient accumulation is derived from it.
+- Relative paths in a recipe (target, data files, cache and output dirs) are resolved against the
+  current working directory, not the recipe file: run spectrain from the repository root.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import functools
+import os
+import re
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+DrafterKind = Literal["eagle3", "medusa", "draft", "ngram"]
+LossName = Literal["fkl", "rkl", "jsd", "tvd", "soft_ce", "hard_ce"]
+Tracker = Literal["none", "jsonl", "wandb", "tensorboard"]
+
+
+@dataclass
+class TargetConfig:
+    name_or_path: str = "assets/reference-target"
+    dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] = "auto"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: ["data/train/chat_mix_messages.jsonl"])
+    format: Literal["auto", "messages", "sharegpt"] = "auto"
+    max_length: int = 512
+    heldout_fraction: float = 0.05
+    max_rows: int = 0  # 0 = all rows
+    heldout_rows: int = 64  # cap on the held-out split size
+    cache_dir: str = ".cache/spectrain"
+
+
+@dataclass
+class Eagle3Config:
+    aux_layers: list[int] = field(default_factory=list)  # [] = derive from the target
+    num_layers: int = 1
+    draft_vocab_size: int = 32000
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    intermediate_size: int = 0  # 0 = the target's
+    num_attention_heads: int = 0  # 0 = the target's
+
+
+@dataclass
+class MedusaConfig:
+    num_heads: int = 4
+    num_resblocks: int = 1
+
+
+@dataclass
+class DraftLMConfig:
+    model: str = ""
+    init: str = "pretrained"  # pretrained | layers:0,1 | config
+
+
+@dataclass
+class NgramConfig:
+    max_n: int = 3
+    min_n: int = 1
+
+
+@dataclass
+class DrafterConfig:
+    kind: DrafterKind = "eagle3"
+    loss: LossName = "fkl"
+    eagle3: Eagle3Config = field(default_factory=Eagle3Config)
+    medusa: MedusaConfig = field(default_factory=MedusaConfig)
+    draft: DraftLMConfig = field(default_factory=DraftLMConfig)
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+
+
+@dataclass
+class TrainingConfig:
+    global_batch_size: int = 8
+    micro_batch_size: int = 4
+    lr: float = 3.0e-4
+    weight_decay: float = 0.0
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 20
+    epochs: int = 1
+    max_steps: int = 0  # 0 = run `epochs`
+    seed: int = 0
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    grad_clip: float = 1.0  # 0 = no clipping
+    checkpoint_every: int = 100
+    eval_every: int = 50
+    keep_checkpoints: int = 2
+    resume_from: str = ""
+    features: Literal["online", "offline"] = "online"
+    feature_cache: str = ""
+    max_nan_steps: int = 10
+    num_workers: int = 0
+
+    def grad_accum(self, world_size: int = 1) -> int:
+        """Micro-steps per optimizer step so that one step sees exactly `global_batch_size` rows."""
+        per_step = self.micro_batch_size * world_size
+        if world_size < 1 or self.global_batch_size % per_step:
+            raise ValueError(
+                f"training.global_batch_size={self.global_batch_size} is not divisible by "
+                f"micro_batch_size ({self.micro_batch_size}) x world size ({world_size}) = {per_step}; "
+                f"pick a global batch size that is a multiple of {per_step} or change micro_batch_size"
+            )
+        return self.global_batch_size // per_step
+
+
+@dataclass
+class TrackingConfig:
+    report_to: list[Tracker] = field(default_factory=lambda: ["jsonl"])
+    project: str = "spectrain"
+    run_name: str = ""
+
+
+@dataclass
+class Recipe:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    output_dir: str = "runs/tiny-eagle3"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        """Block-style sections with inline lists: the same shape as the recipe files."""
+        return yaml.dump(self.to_dict(), Dumper=_RecipeDumper, sort_keys=False, default_flow_style=False)
+
+
+class _RecipeDumper(yaml.SafeDumper):
+    pass
+
+
+_RecipeDumper.add_representer(
+    list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
+
+
+# ---- building dataclasses from plain data ------------------------------------------------------------
+
+
+@functools.cache
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unknown_key(key: str, valid: list[str], where: str) -> ValueError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    section = f"section '{where}'" if where else "the top level"
+    return ValueError(f"unknown key '{key}' in {section}: {hint}valid keys: {', '.join(valid)}")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check / convert one value against its annotation; `where` is the dotted key for messages."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ValueError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            value = [value]  # a single scalar stands for a one-element list (e.g. report_to=none)
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping (section with keys), got {value!r}")
+        return _build(tp, value, where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        # YAML 1.1 reads `1e-4` (no dot) as a string, so numeric strings are accepted too.
+        try:
+            if not isinstance(value, bool) and isinstance(value, (int, float, str)):
+                return float(value)
+        except ValueError:
+            pass
+        raise ValueError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: expected a string, got {value!r} (quote it in YAML)")
+        return value
+    raise TypeError(f"{where}: unsupported annotation {tp!r}")  # a schema bug, not a user error
+
+
+def _build(cls, raw: dict, where: str = ""):
+    hints = _hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in hints:
+            raise _unknown_key(str(key), list(hints), where)
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}" if where else key)
+    return cls(**kwargs)
+
+
+# ---- validation ------------------------------------------------------------------------------------------
+
+_INIT_RE = re.compile(r"^(pretrained|config|layers:\d+(,\d+)*)$")
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def validate(r: Recipe) -> Recipe:
+    """Numeric and cross-field sanity. Raises ValueError naming the key and the fix."""
+    d, t, dr = r.data, r.training, r.drafter
+    _require(len(r.target.name_or_path) > 0, "target.name_or_path is empty: give an HF hub id or a local model dir")
+    _require(len(d.train_files) > 0, "data.train_files is empty: list at least one file, dir or dataset name")
+    _require(d.max_length >= 8, f"data.max_length={d.max_length} is too small (need >= 8)")
+    _require(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)")
+    _require(d.max_rows >= 0, f"data.max_rows={d.max_rows} must be >= 0 (0 = all rows)")
+    _require(d.heldout_rows >= 0, f"data.heldout_rows={d.heldout_rows} must be >= 0")
+    _require(t.global_batch_size > 0 and t.micro_batch_size > 0,
+             "training.global_batch_size and training.micro_batch_size must be positive")
+    t.grad_accum(1)  # divisibility on one process; the launcher re-checks with the real world size
+    _require(t.lr > 0, f"training.lr={t.lr} must be > 0")
+    _require(t.weight_decay >= 0, f"training.weight_decay={t.weight_decay} must be >= 0")
+    _require(t.warmup_steps >= 0, f"training.warmup_steps={t.warmup_steps} must be >= 0")
+    _require(t.epochs >= 1 or t.max_steps > 0, "training: need epochs >= 1 or max_steps > 0")
+    _require(t.max_steps >= 0, f"training.max_steps={t.max_steps} must be >= 0 (0 = run the epochs)")
+    _require(t.grad_clip >= 0, f"training.grad_clip={t.grad_clip} must be >= 0 (0 = off)")
+    for k in ("checkpoint_every", "eval_every", "max_nan_steps", "num_workers"):
+        _require(getattr(t, k) >= 0, f"training.{k}={getattr(t, k)} must be >= 0")
+    _require(t.keep_checkpoints >= 1, f"training.keep_checkpoints={t.keep_checkpoints} must be >= 1")
+    e = dr.eagle3
+    _require(all(i >= 0 for i in e.aux_layers) and len(set(e.aux_layers)) == len(e.aux_layers),
+             f"drafter.eagle3.aux_layers={e.aux_layers} must be distinct layer ids >= 0 ([] = derive)")
+    _require(e.num_layers >= 1, "drafter.eagle3.num_layers must be >= 1")
+    _require(e.draft_vocab_size >= 1, "drafter.eagle3.draft_vocab_size must be >= 1")
+    _require(e.ttt_steps >= 1, "drafter.eagle3.ttt_steps must be >= 1")
+    _require(0.0 < e.ttt_decay <= 1.0, f"drafter.eagle3.ttt_decay={e.ttt_decay} must be in (0, 1]")
+    _require(e.intermediate_size >= 0 and e.num_attention_heads >= 0,
+             "drafter.eagle3.intermediate_size / num_attention_heads must be >= 0 (0 = the target's)")
+    _require(dr.medusa.num_heads >= 1, "drafter.medusa.num_heads must be >= 1")
+    _require(dr.medusa.num_resblocks >= 0, "drafter.medusa.num_resblocks must be >= 0")
+    _require(bool(_INIT_RE.match(dr.draft.init)),
+             f"drafter.draft.init={dr.draft.init!r}: use pretrained, config, or layers:<i>,<j>,... (e.g. layers:0,1)")
+    if dr.kind == "draft":
+        _require(bool(dr.draft.model) or dr.draft.init.startswith("layers:"),
+                 f"drafter.draft.model is empty but init={dr.draft.init}: give a model id/path, "
+                 "or use init=layers:... to take a layer subset of the target")
+    _require(1 <= dr.ngram.min_n <= dr.ngram.max_n,
+             f"drafter.ngram: need 1 <= min_n ({dr.ngram.min_n}) <= max_n ({dr.ngram.max_n})")
+    rt = r.tracking.report_to
+    _require(len(set(rt)) == len(rt), f"tracking.report_to={rt} has duplicates")
+    _require("none" not in rt or len(rt) == 1, "tracking.report_to: 'none' cannot be combined with other trackers")
+    _require(len(r.output_dir) > 0, "output_dir is empty")
+    return r
+
+
+# ---- overrides and loading -------------------------------------------------------------------------------
+
+
+def _field_type(path: list[str]) -> Any:
+    """The annotation at a dotted path, with unknown-key errors like the file's."""
+    cls: Any = Recipe
+    where = ""
+    for i, key in enumerate(path):
+        if not dataclasses.is_dataclass(cls):
+            raise ValueError(f"override '{'.'.join(path)}': '{where}' is a value, not a section")
+        hints = _hints(cls)
+        if key not in hints:
+            raise _unknown_key(key, list(hints), where)
+        cls = hints[key]
+        where = ".".join(path[: i + 1])
+    if dataclasses.is_dataclass(cls):
+        raise ValueError(f"override '{where}' names a whole section; override its keys (e.g. {where}.<key>=...)")
+    return cls
+
+
+def _parse_override_value(text: str, tp: Any) -> Any:
+    is_str = tp is str or (typing.get_origin(tp) is Literal and all(isinstance(c, str) for c in typing.get_args(tp)))
+    if is_str:
+        return text  # keep strings verbatim: `target.name_or_path=007` must stay "007"
+    if typing.get_origin(tp) is list and not text.strip().startswith("["):
+        # `a=x,y` as a convenience for `a=[x,y]`; `a=` is the empty list
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        (item_tp,) = typing.get_args(tp)
+        return [_parse_override_value(p, item_tp) for p in parts]
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"cannot parse override value {text!r}: {e}") from None
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Set `a.b.c=value` entries into a raw (not yet validated) recipe dict."""
+    for ov in overrides:
+        key, sep, text = ov.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"bad override {ov!r}: expected key=value, e.g. training.lr=1e-4")
+        path = key.split(".")
+        tp = _field_type(path)
+        node = raw
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ValueError(f"override {ov!r}: '{part}' in the recipe is not a section")
+            node = child
+        node[path[-1]] = _parse_override_value(text, tp)
+    return raw
+
+
+def recipe_from_dict(raw: dict | None, overrides: list[str] | None = None) -> Recipe:
+    """Build + validate a Recipe from a plain dict (e.g. a run dir's saved recipe)."""
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError("a recipe must be a YAML mapping of sections")
+    raw = copy.deepcopy(raw or {})  # overrides must not write into the caller's dict
+    raw = apply_overrides(raw, list(overrides or []))
+    return validate(_build(Recipe, raw))
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Load a YAML recipe, apply typed overrides, validate. Errors name the file and the key."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError(f"{path}: a recipe must be a mapping of sections (target:, data:, drafter: ...)")
+    try:
+        return recipe_from_dict(raw, overrides)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _fail(msg: str) -> int:
+    print(f"spectrain check: FAILED: {msg}", file=sys.stderr)
+    return 1
+
+
+def _check_target(r: Recipe):
+    """Config + tokenizer (no weights) and their consistency with the recipe. Returns (config, tok)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    src, trc = r.target.name_or_path, r.target.trust_remote_code
+    p = Path(src).expanduser()
+    looks_local = src.startswith((".", "/", "~")) or src.count("/") > 1 or ("/" in src and Path(src.split("/")[0]).is_dir())
+    if not p.exists() and looks_local:
+        # Looks like a local path (e.g. assets/reference-target); do not fall through to hub retries.
+        raise ValueError(f"target model dir not found: {src} (relative to {Path.cwd()}); build or download it, "
+                         "or set target.name_or_path to an HF hub id")
+    try:
+        cfg = AutoConfig.from_pretrained(src, trust_remote_code=trc)
+        tok = AutoTokenizer.from_pretrained(src, trust_remote_code=trc)
+    except Exception as e:  # HF raises OSError / ValueError / HTTP errors; all mean "cannot load"
+        raise ValueError(f"cannot load target config/tokenizer from {src!r} ({type(e).__name__}: {e}). "
+                         "Give a local model dir or a hub id reachable from this machine.") from None
+    if hasattr(cfg, "get_text_config"):  # multimodal configs keep the LM's fields in a sub-config
+        cfg = cfg.get_text_config()
+    if not tok.chat_template:
+        raise ValueError(f"target tokenizer {src!r} has no chat template; use an instruct/chat model "
+                         "or add chat_template to its tokenizer_config.json")
+    if len(tok) > cfg.vocab_size:
+        raise ValueError(f"tokenizer has {len(tok)} tokens but the model's vocab_size is {cfg.vocab_size}")
+    e = r.drafter.eagle3
+    if r.drafter.kind == "eagle3":
+        if e.draft_vocab_size > cfg.vocab_size:
+            raise ValueError(f"drafter.eagle3.draft_vocab_size={e.draft_vocab_size} exceeds the target vocab "
+                             f"({cfg.vocab_size}); set it <= {cfg.vocab_size}")
+        n = cfg.num_hidden_layers
+        bad = [i for i in e.aux_layers if i >= n]
+        if bad:
+            raise ValueError(f"drafter.eagle3.aux_layers {bad} out of range: the target has {n} layers "
+                             f"(ids are layer inputs, 0..{n - 1}; the final output is not an aux layer)")
+    if r.drafter.kind == "draft" and r.drafter.draft.model:
+        d = r.drafter.draft.model
+        dtok = AutoTokenizer.from_pretrained(d, trust_remote_code=trc)
+        if dtok.get_vocab() != tok.get_vocab():  # token strings, not just sizes, must agree
+            raise ValueError(f"draft model {d!r} has a different tokenizer vocabulary than the target "
+                             f"({len(dtok)} vs {len(tok)} tokens): a draft must share the target's tokenizer")
+    return cfg, tok
+
+
+def _check_data(r: Recipe, tok) -> list[str]:
+    from spectrain.data import load_conversations, tokenize_conversations
+
+    rows, report = load_conversations(r.data.train_files, r.data.format, max_rows=64)
+    encoded = tokenize_conversations(tok, [row["messages"] for row in rows[:16]], r.data.max_length)
+    good = [res for res in encoded if not isinstance(res, ValueError) and any(res[1])]
+    errors = [str(res) for res in encoded if isinstance(res, ValueError)]
+    if not good:
+        why = f"the chat template failed: {errors[0]}" if errors else \
+            f"raise data.max_length (now {r.data.max_length}) or check the chat template"
+        raise ValueError(f"no sampled conversation has an assistant token under the loss mask; {why}")
+    ids, mask = good[0]
+    reply = tok.decode([t for t, m in zip(ids, mask) if m])
+    return [f"data sample: {len(rows)} rows read ({sum(report.skipped.values())} skipped), "
+            f"{len(good)}/{len(encoded)} tokenised with assistant tokens ({len(errors)} template errors), "
+            f"mean length {sum(len(g[0]) for g in good) / len(good):.0f}, "
+            f"mean assistant tokens {sum(sum(g[1]) for g in good) / len(good):.0f}",
+            f"first reply under the mask: {reply[:70]!r}"]
+
+
+def check_main(recipe_path: str, overrides: list[str]) -> int:
+    """`spectrain check`: print the resolved recipe, then verify target, tokenizer and a data sample."""
+    try:
+        r = load_recipe(recipe_path, overrides)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+    print(r.to_yaml().rstrip())
+    print("---")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        accum = r.training.grad_accum(world)
+        cfg, tok = _check_target(r)
+        data_lines = _check_data(r, tok)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+    print(f"OK target {r.target.name_or_path}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
+          f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size} (tokenizer {len(tok)}), chat template present")
+    print(f"OK batch: global {r.training.global_batch_size} = micro {r.training.micro_batch_size} "
+          f"x world {world} x grad_accum {accum}")
+    for line in data_lines:
+        print(f"OK {line}")
+    print(f"OK recipe {recipe_path} ({r.drafter.kind}, loss {r.drafter.loss}) -> {r.output_dir}")
+    return 0

@@ -1,0 +1,304 @@
+"""Evaluation reports: report.json, report.md, PNG plots, and optionally wandb.
+
+One record per (drafter, decode config, prompt set). The metric conventions (also written into
+every report):
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONVENTIONS = {
+    "alpha_i": "conditional per-position acceptance: of the times draft position i was verified "
+               "(all earlier positions accepted), the fraction accepted",
+    "tau": "tokens emitted per target forward pass, INCLUDING the bonus/corrected token (plain decoding = 1)",
+    "acceptance_rate": "vLLM style: accepted draft tokens / drafted tokens",
+    "measured_speedup": "speculative tokens/s divided by plain-target tokens/s, same prompts, same run",
+    "predicted_speedup": "tau / (1 + k*c), c = one draft step's cost relative to one target pass "
+                         "(k = tree depth for trees)",
+    "split": "held-out = the recipe's training distribution, never trained on; OOD = another distribution; "
+             "in-domain = a public set whose domain the drafter was trained on (user-declared)",
+}
+__doc__ += "\n" + "\n".join(f"- {k}: {v}" for k, v in CONVENTIONS.items()) + "\n"
+
+SPLIT_STYLE = {"held-out": ("-", "o"), "in-domain": ("-.", "s"), "OOD": ("--", "^")}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _finite(x) -> float | None:
+    return None if x is None or x != x else float(x)  # NaN is not valid JSON
+
+
+def make_record(drafter: str, cfg, ps, res: dict, base: dict, cost_ratio: float | None) -> dict:
+    """Everything about one (drafter, config, prompt set) cell; `res`/`base` are cells from evaluate.run_cells."""
+    s = res["stats"]
+    # Pad to k so every record has alpha_1..alpha_k (None = position never verified).
+    pad = max(cfg.k - len(s.attempts), 0)
+    attempts, accepts = [int(a) for a in s.attempts] + [0] * pad, [int(a) for a in s.accepts] + [0] * pad
+    passes = int(s.target_passes)
+    accepted = sum(accepts)
+    drafted = int(getattr(s, "drafted", 0) or 0)
+    measured_c = _ratio(s.draft_time_s, cfg.k * s.target_time_s)
+    c = cost_ratio if cost_ratio is not None else measured_c
+    tau = _ratio(res["tokens"], passes)
+    rec = {
+        "drafter": drafter, "config": cfg.label, "k": cfg.k, "tree": cfg.tree, "temperature": cfg.temperature,
+        "prompt_set": ps.name, "split": ps.split, "source": ps.source,
+        "n_prompts": len(res["outputs"]), "n_skipped": sum(ps.skipped.values()),
+        "skipped": dict(ps.skipped), "n_truncated": ps.truncated,
+        "emitted_tokens": res["tokens"], "target_passes": passes,
+        "drafted_tokens": drafted, "accepted_tokens": accepted,
+        # Passes on which the drafter proposed at least one token (n-gram: a suffix match); tau falls
+        # short of 1 + sum_i prod_j alpha_j by the passes without a draft.
+        "draft_coverage": _ratio(attempts[0] if attempts else 0, passes),
+        "attempts": attempts, "accepts": accepts,
+        "alpha": [_ratio(a, n) for a, n in zip(accepts, attempts)],
+        "tau": tau, "tau_decoder": _finite(s.tau), "acceptance_rate": _ratio(accepted, drafted),
+        "tokens_per_s": _ratio(res["tokens"], res["seconds"]),
+        "baseline_tokens": base["tokens"], "baseline_tokens_per_s": _ratio(base["tokens"], base["seconds"]),
+        "draft_time_s": float(s.draft_time_s), "target_time_s": float(s.target_time_s),
+        "wall_time_s": res["seconds"], "baseline_wall_time_s": base["seconds"],
+        "c": c, "c_source": "user (--cost-ratio)" if cost_ratio is not None else "measured in this run",
+        "c_measured": measured_c,
+        "predicted_speedup": None if tau is None or c is None else tau / (1 + cfg.k * c),
+    }
+    rec["measured_speedup"] = (None if not rec["baseline_tokens_per_s"] or rec["tokens_per_s"] is None
+                               else rec["tokens_per_s"] / rec["baseline_tokens_per_s"])
+    if cfg.temperature == 0:
+        # Greedy speculative decoding must reproduce plain greedy decoding token for token.
+        same = sum(a == b for a, b in zip(res["outputs"], base["outputs"]))
+        rec["greedy_identical_to_plain"] = f"{same}/{len(res['outputs'])}"
+        if same != len(res["outputs"]):
+            print(f"WARNING: {drafter} {cfg.label} {ps.name}: only {same}/{len(res['outputs'])} greedy outputs "
+                  "equal plain greedy decoding (lossless decoding should give all)", file=sys.stderr)
+    return rec
+
+
+def _git_sha() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_metadata(args, target_name: str, target, sets, baselines: dict) -> dict:
+    import torch
+    import transformers
+
+    import spectrain
+
+    return {
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "target": target_name, "target_architecture": type(target.model).__name__,
+        "target_parameters": sum(p.numel() for p in target.model.parameters()),
+        "drafters": args.drafter, "k": args.k, "trees": args.tree, "temperatures": args.temperature,
+        "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+        "n_per_set": args.n, "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
+        "prompt_sets": [{"name": ps.name, "split": ps.split, "source": ps.source, "n_prompts": ps.n_used, "n_candidates": len(ps.prompts),
+                         "skipped": dict(ps.skipped), "n_truncated": ps.truncated,
+                         "malformed_lines": ps.bad_lines[:50]} for ps in sets],
+        "dropped_sets": getattr(args, "dropped_sets", []),
+        "baselines": [{"temperature": t, "prompt_set": name, "tokens": b["tokens"], "wall_time_s": b["seconds"],
+                       "tokens_per_s": _ratio(b["tokens"], b["seconds"])} for (t, name), b in baselines.items()],
+        "versions": {"spectrain": spectrain.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+        "git_sha": _git_sha(), "conventions": CONVENTIONS,
+    }
+
+
+# ---- markdown ------------------------------------------------------------------------------------------------
+
+
+def _f(x, nd: int = 2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def summary_table(records: list[dict], meta: dict) -> str:
+    head = ("| drafter | config | prompt set | split | n (skipped) | tokens | alpha_1..k | tau | acc. rate "
+            "| drafted passes | tok/s | plain tok/s | speedup | c | predicted |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in records:
+        alphas = " ".join(_f(a) for a in r["alpha"])
+        lines.append(
+            f"| {r['drafter']} | {r['config']} | {r['prompt_set']} | {r['split']} | {r['n_prompts']} "
+            f"({r['n_skipped']}) | {r['emitted_tokens']} | {alphas} | {_f(r['tau'])} | {_f(r['acceptance_rate'])} "
+            f"| {_pct(r['draft_coverage'])} | {_f(r['tokens_per_s'], 1)} | {_f(r['baseline_tokens_per_s'], 1)} | {_f(r['measured_speedup'])}x "
+            f"| {_f(r['c'], 3)} | {_f(r['predicted_speedup'])}x |")
+    return "\n".join(lines)
+
+
+def write_markdown(path: Path, meta: dict, records: list[dict], plots: list[Path]) -> None:
+    c_note = ("c given by the user (--cost-ratio)" if records and records[0]["c_source"].startswith("user")
+              else "c measured in this run: drafter time / (k x target time), on this machine")
+    md = [f"# spectrain eval: {meta['target']}", "",
+          f"{meta['date_utc']} · {meta['device']} {meta['dtype']} · max_new_tokens={meta['max_new_tokens']} · "
+          f"seed={meta['seed']} · top_p={meta['top_p']} top_k={meta['top_k']} · git {meta['git_sha'] or '-'}", "",
+          f"`{meta['command']}`", "", "Conventions:", ""]
+    md += [f"- **{k}**: {v}" for k, v in CONVENTIONS.items()]
+    md += [f"- **c** here: {c_note}",
+           "- **drafted passes**: target passes on which the drafter proposed >= 1 token; tau = 1 + accepted "
+           "tokens / passes, so passes without a draft pull tau below 1 + sum_i prod_j<=i alpha_j", "", "## Results", "", summary_table(records, meta), ""]
+    greedy = [r for r in records if "greedy_identical_to_plain" in r]
+    if greedy:
+        md += ["Greedy losslessness check (speculative output == plain greedy output, per prompt): "
+               + ", ".join(f"{r['drafter']} {r['config']} {r['prompt_set']}: {r['greedy_identical_to_plain']}"
+                           for r in greedy), ""]
+    md += ["## Plain-target baseline", "", "| T | prompt set | tokens | seconds | tok/s |", "|---|---|---|---|---|"]
+    md += [f"| {b['temperature']:g} | {b['prompt_set']} | {b['tokens']} | {b['wall_time_s']:.2f} | "
+           f"{_f(b['tokens_per_s'], 1)} |" for b in meta["baselines"]]
+    md += ["", "## Prompt sets", "", "| set | split | prompts | skipped | truncated | source |", "|---|---|---|---|---|---|"]
+    for ps in meta["prompt_sets"]:
+        why = "; ".join(f"{n} {r}" for r, n in ps["skipped"].items()) or "0"
+        md.append(f"| {ps['name']} | {ps['split']} | {ps['n_prompts']} | {why} | {ps['n_truncated']} | "
+                  f"{ps['source']} |")
+    md += [f"- dropped from the default mix: **{d['name']}**: {d['reason']}" for d in meta["dropped_sets"]]
+    md += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    path.write_text("\n".join(md) + "\n")
+
+
+# ---- plots -----------------------------------------------------------------------------------------------------
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.=-]+", "_", text).strip("_")[:80]
+
+
+def _groups(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in records:
+        out.setdefault((r["drafter"], r["config"]), []).append(r)
+    return out
+
+
+def plot_acceptance(out_dir: Path, records: list[dict], target: str) -> list[Path]:
+    """alpha_i vs draft position, one line per prompt set; held-out solid, OOD dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for (drafter, config), recs in _groups(records).items():
+        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+        colors = plt.get_cmap("tab10")
+        kmax = max(len(r["alpha"]) for r in recs) or 1
+        for i, r in enumerate(recs):
+            ls, marker = SPLIT_STYLE.get(r["split"], ("--", "^"))
+            ys = [float("nan") if a is None else a for a in r["alpha"]]
+            ax.plot(range(1, len(ys) + 1), ys, ls=ls, marker=marker, color=colors(i % 10), lw=2 if
+                    r["split"] == "held-out" else 1.5, label=f"{r['prompt_set']} [{r['split']}] tau={_f(r['tau'])}")
+        ax.set(xlabel="draft position i", ylabel="alpha_i (conditional acceptance)", ylim=(-0.02, 1.05),
+               xticks=range(1, kmax + 1), title=f"{Path(drafter).name or drafter} · {config}\ntarget {target}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), title="solid: held-out, dashed: OOD",
+                  title_fontsize=7)
+        fig.tight_layout()
+        p = out_dir / f"acceptance_{_slug(drafter)}_{_slug(config)}.png"
+        fig.savefig(p, bbox_inches="tight")
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def plot_tau(out_dir: Path, records: list[dict], target: str) -> Path:
+    """tau per prompt set, one bar per (drafter, config); OOD bars hatched; tau = 1 marks plain decoding."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    groups = _groups(records)
+    sets = list(dict.fromkeys(r["prompt_set"] for r in records))
+    width = 0.8 / max(len(groups), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(sets) * max(1, len(groups) / 2) + 2), 4.2), dpi=120)
+    colors = plt.get_cmap("tab10")
+    for g, recs in enumerate(groups.values()):
+        by_set = {r["prompt_set"]: r for r in recs}
+        for x, name in enumerate(sets):
+            r = by_set.get(name)
+            if r is None or r["tau"] is None:
+                continue
+            xpos = x - 0.4 + width * (g + 0.5)
+            ax.bar(xpos, r["tau"], width, color=colors(g % 10), edgecolor="black", lw=0.5,
+                   hatch="//" if r["split"] == "OOD" else (".." if r["split"] == "in-domain" else None))
+            ax.text(xpos, r["tau"], f"{r['tau']:.2f}", ha="center", va="bottom", fontsize=6)
+    ax.axhline(1.0, color="gray", ls=":", lw=1)
+    ax.set_xticks(range(len(sets)), sets, rotation=30, ha="right", fontsize=8)
+    ax.set(ylabel="tau (tokens per target pass, incl. bonus)", title=f"tau per prompt set · target {target}")
+    handles = [Patch(color=colors(g % 10), label=f"{Path(d).name or d} · {c}") for g, (d, c) in enumerate(groups)]
+    handles += [Patch(facecolor="white", edgecolor="black", label="held-out (solid fill)"),
+                Patch(facecolor="white", edgecolor="black", hatch="//", label="OOD (hatched)"),
+                Line2D([], [], color="gray", ls=":", label="plain decoding (tau = 1)")]
+    ax.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    p = out_dir / "tau.png"
+    fig.savefig(p, bbox_inches="tight")
+    plt.close(fig)
+    return p
+
+
+# ---- wandb + all ------------------------------------------------------------------------------------------------
+
+
+def log_wandb(out_dir: Path, meta: dict, records: list[dict], plots: list[Path], project: str) -> None:
+    """The same curves as wandb line plots, the records as a table. WANDB_MODE=offline works."""
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError("--report-to wandb needs the wandb package: pip install 'spectrain[wandb]'") from None
+    # WANDB_DIR, when set, wins; otherwise the run's files live next to the report.
+    run = wandb.init(project=project, dir=os.environ.get("WANDB_DIR") or str(out_dir), name=out_dir.name,
+                     config=meta, job_type="eval")
+    try:
+        for (drafter, config), recs in _groups(records).items():
+            keep = [r for r in recs if any(a is not None for a in r["alpha"])]
+            if keep:
+                xs = [[i + 1 for i, a in enumerate(r["alpha"]) if a is not None] for r in keep]
+                ys = [[a for a in r["alpha"] if a is not None] for r in keep]
+                run.log({f"acceptance/{_slug(drafter)}/{_slug(config)}": wandb.plot.line_series(
+                    xs=xs, ys=ys, keys=[f"{r['prompt_set']} [{r['split']}]" for r in keep],
+                    title=f"alpha_i vs position: {drafter} {config}", xname="draft position i")})
+        cols = ["drafter", "config", "prompt_set", "split", "n_prompts", "n_skipped", "emitted_tokens", "tau",
+                "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "measured_speedup", "c",
+                "predicted_speedup", "alpha"]
+        table = wandb.Table(columns=cols, data=[[json.dumps(r[c]) if c == "alpha" else r[c] for c in cols]
+                                                for r in records])
+        run.log({"eval/report": table,
+                 "eval/tau": wandb.plot.bar(
+                     wandb.Table(columns=["cell", "tau"], data=[[f"{r['drafter']} {r['config']} {r['prompt_set']}",
+                                                                 r["tau"]] for r in records]),
+                     "cell", "tau", title="tau per prompt set"),
+                 **{f"plots/{p.stem}": wandb.Image(str(p)) for p in plots}})
+    finally:
+        run.finish()
+
+
+def write_all(out_dir: Path, meta: dict, records: list[dict], report_to: str = "none",
+              wandb_project: str = "spectrain") -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = plot_acceptance(out_dir, records, meta["target"]) + ([plot_tau(out_dir, records, meta["target"])]
+                                                                  if records else [])
+    (out_dir / "report.json").write_text(json.dumps({"meta": meta, "records": records}, indent=2, allow_nan=False) + "\n")
+    write_markdown(out_dir / "report.md", meta, records, plots)
+    if report_to == "wandb":
+        log_wandb(out_dir, meta, records, plots, wandb_project)
+    return [out_dir / "report.json", out_dir / "report.md", *plots]

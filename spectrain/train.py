@@ -1,0 +1,518 @@
+"""ONE explicit training loop for every drafter family, on Hugging Face accelerate.
+
+    spectrain train recipes/tiny/eagle3.yaml [a.b=value ...]
+    accelerate launch [--config_file recipes/accelerate/X.yaml] scripts/train.py RECIPE [a.b=value ...]
+
+Read top to bottom: ``train`` builds the accelerator, the frozen target, the data, the drafter, the
+optimizer and the schedule; then every optimizer step is
+
+    global batch -> this rank's micro-batches -> target features (no grad) -> drafter loss
+    -> backward (accumulated; synced on the last micro-batch) -> clip -> AdamW + schedule
+    -> metrics -> held-out eval / checkpoint / preemption check.
+
+Data order: one seeded permutation of the whole dataset per epoch. Optimizer step s of an epoch
+takes rows perm[s*B:(s+1)*B] (B = global batch), sorts them by length (less padding), cuts them into
+micro-batches and deals micro-batch j to rank j % world. Ranks never duplicate a row, the global
+batch does not depend on the world size, and (epoch, step in epoch) is all a checkpoint needs to
+restore the data position exactly. The trailing partial global batch of an epoch is dropped.
+
+A drafter family is a class with ``from_recipe(recipe, target, token_counts)``, ``feature_spec()``,
+``train_loss(batch, feats, target) -> (loss, metrics)`` (metrics with ``acc_i`` per step and
+``sim_tau``) and ``save_pretrained(path)``; register it in ``DRAFTERS``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from spectrain import checkpoint as ckpt
+from spectrain.target import load_target
+
+
+def _eagle3():
+    from spectrain.drafters.eagle3 import Eagle3Drafter
+
+    return Eagle3Drafter
+
+
+# kind -> zero-arg loader of the class (lazy: importing a family must not cost the others anything)
+DRAFTERS: dict[str, Callable[[], type]] = {"eagle3": _eagle3}
+
+
+class TrainingDiverged(ValueError):
+    """Too many consecutive non-finite losses (a ValueError so the CLI prints it as one line)."""
+
+
+def drafter_class(kind: str) -> type:
+    if kind == "ngram":
+        raise ValueError("drafter.kind=ngram is training-free: evaluate it directly with "
+                         "`spectrain eval --drafter ngram`; there is nothing to train")
+    if kind not in DRAFTERS:
+        raise ValueError(f"drafter.kind={kind!r} cannot be trained yet: the loop knows {sorted(DRAFTERS)}. "
+                         f"Register the family's class in spectrain.train.DRAFTERS.")
+    return DRAFTERS[kind]()
+
+
+class _LossModule(nn.Module):
+    """Routes ``drafter.train_loss`` through ``forward`` so DDP / FSDP / DeepSpeed hooks see the call."""
+
+    def __init__(self, drafter: nn.Module, target):
+        super().__init__()
+        self.drafter = drafter
+        self._target = (target,)  # a tuple keeps the frozen target out of the module tree and state dict
+
+    def forward(self, batch: dict, feats: dict):
+        return self.drafter.train_loss(batch, feats, self._target[0])
+
+
+# ---- small pure pieces --------------------------------------------------------------------------
+
+
+def resolve_precision(precision: str) -> str:
+    """Recipe precision -> accelerate mixed_precision. auto: bf16 on CUDA with bf16 support, else fp32."""
+    cuda = torch.cuda.is_available()
+    if precision == "auto":
+        return "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
+    if precision == "fp32":
+        return "no"
+    if precision == "fp16" and not cuda:
+        raise ValueError("training.precision=fp16 needs a CUDA device (CPU autocast is bf16 only); "
+                         "use precision=fp32 (or auto) on CPU")
+    return precision
+
+
+def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
+    """Multiplier on the peak lr for optimizer step `step` (0-based): linear warmup, then the schedule."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def rank_micro_batches(rows: list[int], lengths: list[int], micro: int, rank: int, world: int) -> list[list[int]]:
+    """This rank's micro-batches of one global batch: length-sorted, dealt round-robin across ranks."""
+    order = sorted(range(len(rows)), key=lambda i: (lengths[i], rows[i]))
+    ranked = [rows[i] for i in order]
+    chunks = [ranked[i:i + micro] for i in range(0, len(ranked), micro)]
+    return chunks[rank::world]
+
+
+def sim_tau(acc: list[float]) -> float:
+    """1 + sum_i prod_{j<=i} acc_j: the greedy, teacher-forced PROXY of tokens per target pass."""
+    out, prod = 1.0, 1.0
+    for a in acc:
+        prod *= a
+        out += prod
+    return out
+
+
+def aggregate(parts: list[tuple[dict, float]]) -> dict:
+    """Token-weighted mean of per-batch metrics; sim_tau recomputed from the pooled per-step acc."""
+    total = sum(w for _, w in parts)
+    keys = sorted({k for m, _ in parts for k in m} - {"tokens"})
+    out = {k: sum(m.get(k, 0.0) * w for m, w in parts) / max(total, 1e-9) for k in keys}
+    accs = [out[f"acc_{i}"] for i in range(len(keys)) if f"acc_{i}" in out]
+    if accs:
+        out["sim_tau"] = sim_tau(accs)
+    out["loss_tokens"] = total
+    return out
+
+
+# ---- setup ------------------------------------------------------------------------------------------
+
+
+def make_accelerator(recipe):
+    from accelerate import Accelerator
+
+    # From the launcher's environment: building PartialState here would freeze its device choice
+    # before Accelerator reads ACCELERATE_USE_CPU.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trackers = [t for t in recipe.tracking.report_to if t in ("wandb", "tensorboard")]
+    for t in trackers:
+        import importlib.util
+
+        if importlib.util.find_spec(t) is None:
+            raise ValueError(f"tracking.report_to includes {t} but {t} is not installed: "
+                             f"pip install 'spectrain[{t}]' (or drop it from tracking.report_to)")
+    acc = Accelerator(
+        mixed_precision=resolve_precision(recipe.training.precision),
+        gradient_accumulation_steps=recipe.training.grad_accum(world),
+        log_with=trackers or None,
+        project_dir=recipe.output_dir,
+        step_scheduler_with_optimizer=False,  # the schedule is per optimizer step; we step it ourselves
+    )
+    if acc.num_processes != world:
+        # e.g. torchrun on a CPU machine without ACCELERATE_USE_CPU=1: every process would believe it is
+        # alone, train on all the data and overwrite the others' checkpoints.
+        raise ValueError(f"the launcher started {world} processes (WORLD_SIZE) but accelerate formed a group of "
+                         f"{acc.num_processes} ({acc.distributed_type}); on CPU set ACCELERATE_USE_CPU=1, or "
+                         "launch with a matching recipes/accelerate config")
+    return acc
+
+
+def build_optimizer(recipe, drafter: nn.Module, target) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"drafter {type(drafter).__name__} has no trainable parameters")
+    frozen = {id(p) for p in target.model.parameters()}
+    leaked = [n for n, p in drafter.named_parameters() if p.requires_grad and id(p) in frozen]
+    # The target is a frozen feature extractor: a shared tensor in the optimizer would train it.
+    assert not leaked, f"target parameters would be trained through the drafter: {leaked}"
+    t = recipe.training
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]  # norms and biases: no weight decay
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=(0.9, 0.95), eps=1e-8)
+    return opt, params
+
+
+class OnlineSource:
+    """Tokenised rows + the frozen target: features are computed inside the step, without grad."""
+
+    def __init__(self, rows, target, pad_id: int, device):
+        self.rows, self.target, self.pad_id, self.device = rows, target, pad_id, device
+        self.spec: dict = {}
+        lengths = getattr(rows, "lengths", None)
+        self.lengths = lengths.tolist() if lengths is not None else [len(r["input_ids"]) for r in rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def bind(self, spec: dict) -> None:
+        self.spec = spec
+
+    def get(self, indices: list[int]) -> tuple[dict, dict]:
+        from spectrain.data import collate
+
+        batch = {k: v.to(self.device) for k, v in collate([self.rows[i] for i in indices], self.pad_id).items()}
+        s = self.spec
+        out = self.target.forward(batch["input_ids"], batch["attention_mask"], aux_layers=s.get("aux_layers", ()),
+                                  want_last_hidden=s.get("want_last_hidden", False),
+                                  want_final_hidden=s.get("want_final_hidden", False), want_logits=False)
+        feats = {}
+        if out.aux_hidden:
+            feats["aux"] = torch.cat(out.aux_hidden, -1)
+        if out.last_hidden is not None:
+            feats["last_hidden"] = out.last_hidden
+        if s.get("want_final_hidden"):
+            feats["final_hidden"] = out.final_hidden
+        return batch, feats
+
+
+def make_sources(recipe, target, train_rows, heldout_rows, device):
+    """(train, heldout) sources with the same interface: len, lengths, bind(spec), get(indices)."""
+    if recipe.training.features == "offline":
+        from spectrain.features import FeatureCache
+
+        path = recipe.training.feature_cache
+        if not path:
+            raise ValueError("training.features=offline needs training.feature_cache (the directory written by "
+                             "`spectrain prepare-features RECIPE`)")
+        train = FeatureCache(path, target, recipe, "train", device=device)
+        held = FeatureCache(path, target, recipe, "heldout", device=device) \
+            if "heldout" in train.manifest["splits"] else None
+        return train, held
+    from spectrain.features import _pad_id
+
+    pad = _pad_id(target)
+    held = OnlineSource(heldout_rows, target, pad, device) if heldout_rows is not None and len(heldout_rows) else None
+    return OnlineSource(train_rows, target, pad, device), held
+
+
+class Run:
+    """Everything the loop touches, built once by ``setup``."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
+    from accelerate.utils import set_seed
+
+    from spectrain.data import build_dataset, token_frequencies
+
+    acc = make_accelerator(recipe)
+    t = recipe.training
+    set_seed(t.seed)
+    if target is None:
+        target = load_target(recipe.target.name_or_path, dtype=recipe.target.dtype, device=acc.device,
+                             trust_remote_code=recipe.target.trust_remote_code)
+    if train_rows is None and t.features == "online":
+        with acc.main_process_first():  # rank 0 tokenises and caches; the others read the cache
+            train_rows = build_dataset(recipe.data, target.tokenizer, "train", verbose=acc.is_main_process)
+            heldout_rows = build_dataset(recipe.data, target.tokenizer, "heldout", verbose=acc.is_main_process)
+    cls = drafter_class(recipe.drafter.kind)
+    train_src, held_src = make_sources(recipe, target, train_rows, heldout_rows, acc.device)
+    counts = train_src.token_frequencies() if t.features == "offline" else \
+        token_frequencies(train_rows, target.vocab_size)
+    set_seed(t.seed)  # the drafter init must not depend on how much RNG the data loading used
+    drafter = cls.from_recipe(recipe, target, counts).to(acc.device)
+    drafter.train()
+    for src in (train_src, held_src):
+        if src is not None:
+            src.bind(drafter.feature_spec())
+    opt, params = build_optimizer(recipe, drafter, target)
+    steps_per_epoch = len(train_src) // t.global_batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"the train split has {len(train_src)} rows, fewer than training.global_batch_size="
+                         f"{t.global_batch_size}; lower the batch size or add data")
+    total = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t.schedule, t.warmup_steps, total))
+    model, opt = acc.prepare(_LossModule(drafter, target), opt)
+    acc.register_for_checkpointing(sched)
+    out = Path(recipe.output_dir)
+    return Run(acc=acc, recipe=recipe, target=target, drafter=drafter, model=model, opt=opt, sched=sched,
+               params=params, train_src=train_src, held_src=held_src, out=out, total=total,
+               steps_per_epoch=steps_per_epoch, metrics_path=out / "metrics.jsonl", stop_signal=None,
+               order_cache=(-1, []),
+               state={"step": 0, "epoch": 0, "step_in_epoch": 0, "best_sim_tau": None, "best_step": None,
+                      "nan_streak": 0})
+
+
+# ---- one optimizer step ----------------------------------------------------------------------------
+
+
+def step_micro_batches(run) -> list[list[int]]:
+    """This rank's micro-batches for the current (epoch, step in epoch): a pure function of the position."""
+    st, t, acc = run.state, run.recipe.training, run.acc
+    if run.order_cache[0] != st["epoch"]:
+        run.order_cache = (st["epoch"], epoch_order(len(run.train_src), t.seed, st["epoch"]))
+    b = t.global_batch_size
+    rows = run.order_cache[1][st["step_in_epoch"] * b:(st["step_in_epoch"] + 1) * b]
+    lengths = [run.train_src.lengths[i] for i in rows]
+    return rank_micro_batches(rows, lengths, t.micro_batch_size, acc.process_index, acc.num_processes)
+
+
+def _all_ranks(acc, flag: bool) -> bool:
+    """True if `flag` holds on any rank (so every rank takes the same branch around collectives)."""
+    x = torch.tensor([1.0 if flag else 0.0], device=acc.device)
+    if acc.num_processes > 1:
+        x = acc.reduce(x, "sum")
+    return float(x) > 0
+
+
+def _pool(acc, losses: list[float], parts: list[tuple[dict, float]]) -> dict:
+    """Step metrics pooled over micro-batches and ranks: loss = mean micro loss (what is optimised),
+    the rest token-weighted. Every rank has the same metric keys, so one all-reduce suffices."""
+    keys = sorted(k for k in parts[0][0] if k != "tokens")
+    vec = [sum(losses), float(len(losses)), sum(w for _, w in parts)]
+    vec += [sum(float(m[k]) * w for m, w in parts) for k in keys]
+    x = torch.tensor(vec, dtype=torch.float64, device=acc.device)
+    if acc.num_processes > 1:
+        x = acc.reduce(x, "sum")
+    x = x.tolist()
+    out = {k: v / max(x[2], 1e-9) for k, v in zip(keys, x[3:])}
+    accs = [out[f"acc_{i}"] for i in range(len(keys)) if f"acc_{i}" in out]
+    if accs:
+        out["sim_tau"] = sim_tau(accs)
+    out["loss"], out["loss_tokens"] = x[0] / x[1], x[2]
+    return out
+
+
+def train_step(run) -> dict:
+    acc, t, st = run.acc, run.recipe.training, run.state
+    losses, parts, tokens, finite = [], [], 0, True
+    for mb in step_micro_batches(run):
+        batch, feats = run.train_src.get(mb)
+        tokens += int(batch["attention_mask"].sum())
+        with acc.accumulate(run.model):
+            with acc.autocast():
+                loss, metrics = run.model(batch, feats)
+            # Agreed across ranks before backward: a rank skipping a synced backward would hang the others.
+            finite = finite and not _all_ranks(acc, not bool(torch.isfinite(loss.detach()).all()))
+            if finite:
+                acc.backward(loss)
+        losses.append(float(loss.detach()))
+        parts.append(({k: float(v) for k, v in metrics.items() if k != "loss"},
+                      float(metrics.get("tokens", batch["loss_mask"].sum()))))
+    rec = _pool(acc, losses, parts)
+    if finite:
+        norm = acc.clip_grad_norm_(run.model.parameters(), t.grad_clip) if t.grad_clip > 0 else None
+        run.opt.step()
+        st["nan_streak"] = 0
+        if norm is not None:
+            rec["grad_norm"] = float(norm)
+    else:
+        st["nan_streak"] += 1
+        limit = max(1, t.max_nan_steps)
+        if st["nan_streak"] >= limit:
+            raise TrainingDiverged(
+                f"non-finite loss for {st['nan_streak']} consecutive steps (training.max_nan_steps={t.max_nan_steps}) "
+                f"at step {st['step'] + 1}: lower training.lr, use training.precision=fp32, or check the data")
+        warnings.warn(f"step {st['step'] + 1}: non-finite loss {losses}; update skipped "
+                      f"({st['nan_streak']}/{limit} in a row before stopping)", stacklevel=2)
+        rec["skipped"] = 1
+    run.opt.zero_grad(set_to_none=True)
+    rec["lr"] = run.sched.get_last_lr()[0]
+    with warnings.catch_warnings():  # torch warns when a skipped step leaves optimizer.step() uncalled
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+        run.sched.step()  # also on a skipped step, so lr, step count and data position stay aligned
+    rec["tokens"] = float(acc.reduce(torch.tensor([float(tokens)], device=acc.device), "sum")) \
+        if acc.num_processes > 1 else float(tokens)
+    st["step"] += 1
+    st["step_in_epoch"] += 1
+    if st["step_in_epoch"] >= run.steps_per_epoch:
+        st["epoch"], st["step_in_epoch"] = st["epoch"] + 1, 0
+    return rec
+
+
+# ---- evaluation, logging, checkpoints -----------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(run) -> dict | None:
+    """Held-out split: per-step acc, conditional acc and the simulated-tau PROXY (greedy, +1 bonus)."""
+    from accelerate.utils import gather_object
+
+    if run.held_src is None:
+        return None
+    acc, src = run.acc, run.held_src
+    module = acc.unwrap_model(run.model)  # plain module: no DDP collectives in a ragged eval loop
+    idx = sorted(range(acc.process_index, len(src), acc.num_processes), key=lambda i: src.lengths[i])
+    micro, parts = run.recipe.training.micro_batch_size, []
+    run.drafter.eval()
+    try:
+        for i in range(0, len(idx), micro):
+            batch, feats = src.get(idx[i:i + micro])
+            with acc.autocast():
+                loss, metrics = module(batch, feats)
+            m = {k: float(v) for k, v in metrics.items()}
+            m["loss"] = float(loss)
+            parts.append((m, float(metrics.get("tokens", batch["loss_mask"].sum()))))
+    finally:
+        run.drafter.train()
+    if acc.num_processes > 1:
+        parts = gather_object(parts)
+    agg = aggregate(parts)
+    rec = {"step": run.state["step"], "split": "heldout", "heldout_rows": len(src)}
+    rec.update({f"eval/{k}": v for k, v in agg.items() if k != "sim_tau"})
+    rec["eval/sim_tau_proxy"] = agg.get("sim_tau")
+    return rec
+
+
+def log(run, rec: dict) -> None:
+    ckpt.append_metrics(run.acc, run.metrics_path, rec)
+
+
+def maybe_best(run, ev: dict | None) -> None:
+    tau = ev and ev.get("eval/sim_tau_proxy")
+    if tau is None:
+        if ev is not None:
+            raise ValueError(f"{type(run.drafter).__name__}.train_loss reports no acc_i/sim_tau metrics; "
+                             "best/ is chosen by held-out simulated tau, so the family must report them")
+        return
+    best = run.state["best_sim_tau"]
+    if best is None or tau > best:
+        run.state["best_sim_tau"], run.state["best_step"] = tau, run.state["step"]
+        if run.acc.is_main_process:
+            info = {"step": run.state["step"], "sim_tau_proxy": tau,
+                    "criterion": "held-out simulated tau (greedy teacher-forced proxy, +1 bonus)",
+                    **{k: v for k, v in ev.items() if k.startswith("eval/")}}
+            ckpt.save_best(run.acc.unwrap_model(run.model).drafter, run.out, info)
+
+
+def save(run) -> Path:
+    state = dict(run.state, recipe_hash=ckpt.recipe_hash(run.recipe.to_dict()),
+                 world_size=run.acc.num_processes, total_steps=run.total)
+    return ckpt.save_checkpoint(run.acc, run.acc.unwrap_model(run.model).drafter, run.out, state,
+                                run.recipe.training.keep_checkpoints)
+
+
+# ---- the loop ----------------------------------------------------------------------------------------
+
+
+def train(recipe, target=None, train_rows=None, heldout_rows=None,
+          on_step: Callable[[Run, dict], None] | None = None) -> dict:
+    """Train `recipe`'s drafter; returns a summary. target/rows may be passed in (tests, notebooks)."""
+    from tqdm.auto import tqdm
+
+    run = setup(recipe, target, train_rows, heldout_rows)
+    acc, t = run.acc, recipe.training
+    saved = ckpt.resume(acc, run.out, t.resume_from, recipe.to_dict(), run.metrics_path)
+    if saved is not None:
+        run.state = {k: saved[k] for k in run.state}
+    ckpt.start_run(acc, recipe, {"total_steps": run.total, "steps_per_epoch": run.steps_per_epoch,
+                                 "grad_accum": acc.gradient_accumulation_steps,
+                                 "mixed_precision": str(acc.mixed_precision), "resumed_at_step": run.state["step"]})
+    preempt = ckpt.Preemption()
+    bar = tqdm(total=run.total, initial=run.state["step"], disable=not acc.is_main_process, dynamic_ncols=True,
+               desc=f"train {recipe.drafter.kind}")
+    start, t0, ev, saved_at = run.state["step"], time.perf_counter(), None, None
+    try:
+        while run.state["step"] < run.total:
+            ts = time.perf_counter()
+            rec = train_step(run)
+            rec = {"step": run.state["step"], "epoch": run.state["epoch"], **rec,
+                   "tokens_per_s": rec["tokens"] / max(time.perf_counter() - ts, 1e-9)}
+            log(run, rec)
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec.get('acc_0', float('nan')):.2f}")
+            if on_step is not None:
+                on_step(run, rec)
+            step, done = run.state["step"], run.state["step"] >= run.total
+            if (t.eval_every and step % t.eval_every == 0) or done:
+                ev = evaluate(run)
+                if ev is not None:
+                    log(run, ev)
+                    bar.write(f"step {step}: held-out sim_tau (proxy) {ev['eval/sim_tau_proxy']:.3f}  "
+                              f"acc_0 {ev.get('eval/acc_0', float('nan')):.3f}")
+                maybe_best(run, ev)
+            stop = _all_ranks(acc, preempt.signal is not None)
+            if (t.checkpoint_every and step % t.checkpoint_every == 0) or done or stop:
+                saved_at = save(run)
+            if stop:
+                run.stop_signal = preempt.signal or "peer"  # "peer": another rank was signalled
+                break
+    finally:
+        bar.close()
+        preempt.restore()
+    wall = time.perf_counter() - t0
+    if run.state["best_sim_tau"] is None and run.stop_signal is None and acc.is_main_process:
+        ckpt.save_best(acc.unwrap_model(run.model).drafter, run.out,
+                       {"step": run.state["step"], "criterion": "final weights (no held-out split to choose by)"})
+    summary = {"step": run.state["step"], "total_steps": run.total, "steps_this_run": run.state["step"] - start,
+               "wall_s": wall, "interrupted_by": run.stop_signal, "checkpoint": str(saved_at) if saved_at else None,
+               "best_sim_tau_proxy": run.state["best_sim_tau"], "best_step": run.state["best_step"],
+               "last_eval": ev, "output_dir": str(run.out)}
+    if acc.is_main_process:
+        log(run, {"step": run.state["step"], "event": "end", "wall_s": wall,
+                  "interrupted_by": run.stop_signal})
+    acc.end_training()
+    return summary
+
+
+def main(recipe_path: str, overrides: list[str] | None = None) -> int:
+    """`spectrain train RECIPE [a.b=value ...]`. 0 = done; 128+signal = stopped by SIGTERM/SIGINT after
+    writing a checkpoint (resume with training.resume_from=auto)."""
+    from spectrain.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, list(overrides or []))
+    summary = train(recipe)
+    if summary["interrupted_by"] is not None:
+        print(f"stopped by signal {summary['interrupted_by']} at step {summary['step']}/{summary['total_steps']}; "
+              f"checkpoint {summary['checkpoint']}. Resume: spectrain train {recipe_path} "
+              f"{' '.join(overrides or [])} training.resume_from=auto".rstrip(), file=sys.stderr)
+        sig = summary["interrupted_by"]
+        return 128 + (int(sig) if isinstance(sig, int) else 15)
+    tau = summary["best_sim_tau_proxy"]
+    print(f"done: {summary['step']} steps in {summary['wall_s']:.0f}s; best held-out sim_tau (proxy) "
+          f"{'n/a' if tau is None else f'{tau:.3f}'} at step {summary['best_step']}; run dir {summary['output_dir']}")
+    return 0

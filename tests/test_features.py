@@ -1,0 +1,134 @@
+"""Offline feature cache: online == offline features and first-step loss, resume, validation errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from test_eagle3 import make_head, make_recipe
+
+from spectrain.data import ChatDataset, SkipReport, collate
+from spectrain.features import FeatureCache, bytes_per_token, main, write_feature_cache
+
+torch.set_num_threads(1)
+RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny" / "eagle3.yaml")
+
+
+def make_rows(n=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(6, 20, (1,), generator=g))
+        ids = torch.randint(3, 128, (length,), generator=g).tolist()
+        mask = [0] * (length // 2) + [1] * (length - length // 2)
+        rows.append((f"row{i}", ids, mask))
+    return ChatDataset.from_rows(rows, SkipReport())
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_target("llama")
+
+
+@pytest.fixture(scope="module")
+def head(target):
+    return make_head(target, ttt_steps=3)
+
+
+def online(target, head, rows, idx):
+    batch = collate([rows[i] for i in idx], 0)
+    out = target(batch["input_ids"], batch["attention_mask"], aux_layers=head.aux_layers,
+                 want_last_hidden=True, want_logits=False)
+    return batch, {"aux": torch.cat(out.aux_hidden, -1), "last_hidden": out.last_hidden}
+
+
+# fp32 is exact up to batch-composition noise: the cache was computed with other rows padded alongside
+@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-5), ("bf16", 1e-2), ("fp8", 1e-1)])
+def test_offline_equals_online(target, head, tmp_path, dtype, tol):
+    rows = make_rows()
+    # tiny shards (~3 rows each) so batches span several shards
+    write_feature_cache(target, {"train": rows}, tmp_path, head.aux_layers, dtype, max_length=512,
+                        shard_mb=40 * bytes_per_token(32, 3, dtype) / 2**20, verbose=False)
+    assert len(json.loads((tmp_path / "manifest.json").read_text())["splits"]["train"]["shards"]) > 2
+    cache = FeatureCache(tmp_path, target, make_recipe(), pad_id=0)
+    cache.bind(head.feature_spec())
+    idx = [7, 0, 3, 9]
+    b_on, f_on = online(target, head, rows, idx)
+    b_off, f_off = cache.get(idx)
+    for k in b_on:
+        assert torch.equal(b_on[k], b_off[k]), k
+    valid = b_on["attention_mask"].bool()
+    for k in ("aux", "last_hidden"):
+        a, b = f_on[k][valid], f_off[k][valid]
+        assert ((a - b).abs().max() / a.abs().max()) < tol, k
+    torch.manual_seed(0)
+    loss_on, m_on = head.train_loss(b_on, f_on, target)
+    loss_off, m_off = head.train_loss(b_off, f_off, target)
+    rel = {"fp32": 1e-5, "bf16": 2e-2, "fp8": 5e-2}[dtype]
+    print(f"{dtype}: first-step loss online {loss_on.item():.6f} offline {loss_off.item():.6f}")
+    assert loss_off.item() == pytest.approx(loss_on.item(), rel=rel)
+    assert cache.token_frequencies().sum() == rows.loss_mask.sum()
+
+
+def test_resume_skips_finished_shards_and_rewrites_damaged(target, head, tmp_path):
+    rows = make_rows()
+    kw = dict(max_length=512, shard_mb=40 * bytes_per_token(32, 3, "bf16") / 2**20, verbose=False)
+    m, stats = write_feature_cache(target, {"train": rows}, tmp_path, head.aux_layers, **kw)
+    n = len(m["splits"]["train"]["shards"])
+    assert stats == {"written": n, "skipped": 0}
+    shard = tmp_path / m["splits"]["train"]["shards"][1]["file"]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # flip a feature byte: same size, different checksum
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"{shard.name} is corrupt"):
+        FeatureCache(tmp_path, target, verify="full")
+    _, stats = write_feature_cache(target, {"train": rows}, tmp_path, head.aux_layers, **kw)
+    assert stats == {"written": 1, "skipped": n - 1}
+    shard.write_bytes(shard.read_bytes()[:-100])
+    cache = FeatureCache(tmp_path, target)  # lazy: the damage shows up when the shard is first used
+    with pytest.raises(ValueError, match=f"{shard.name} is truncated"):
+        cache.get(list(range(len(cache))))
+    with pytest.raises(ValueError, match="other settings"):
+        write_feature_cache(target, {"train": rows}, tmp_path, head.aux_layers, "fp32", **kw)
+    with pytest.raises(ValueError, match="data changed"):
+        write_feature_cache(target, {"train": make_rows(seed=1)}, tmp_path, head.aux_layers, **kw)
+
+
+def test_cache_for_another_target_or_layers_is_refused(target, head, tmp_path):
+    write_feature_cache(target, {"train": make_rows(4)}, tmp_path, head.aux_layers, max_length=512, verbose=False)
+    with pytest.raises(ValueError, match="was written for target"):
+        FeatureCache(tmp_path, make_tiny_target("llama", seed=1))
+    with pytest.raises(ValueError, match="aux layers"):
+        FeatureCache(tmp_path, target, make_recipe(aux_layers=[1, 3, 5]))
+    with pytest.raises(ValueError, match="aux layers"):
+        FeatureCache(tmp_path, target).bind({"aux_layers": [1, 3, 5]})
+    with pytest.raises(ValueError, match="heldout"):
+        FeatureCache(tmp_path, target, split="heldout")
+    with pytest.raises(FileNotFoundError, match="prepare-features"):
+        FeatureCache(tmp_path / "nope", target)
+
+
+def test_main_writes_both_splits(target, tmp_path, monkeypatch, capsys):
+    import spectrain.data
+    import spectrain.target
+
+    monkeypatch.setattr(spectrain.target, "load_target", lambda *a, **k: target)
+    monkeypatch.setattr(spectrain.data, "build_dataset",
+                        lambda cfg, tok, split, **k: make_rows(6 if split == "train" else 3, seed=int(split == "heldout")))
+    out = tmp_path / "cache"
+    assert main(RECIPE, [f"training.feature_cache={out}", "features.dtype=fp8",
+                                             "drafter.eagle3.aux_layers=1,4,6"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["aux_layers"] == [1, 4, 6] and m["dtype"] == "fp8" and set(m["splits"]) == {"train", "heldout"}
+    assert "bytes/token" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="features.<"):
+        main(RECIPE, ["features.bogus=1"])
+
+
+def test_bytes_per_token_documented_numbers():
+    assert bytes_per_token(4096, 3, "bf16") == 8 * 4096 + 5
+    assert bytes_per_token(4096, 3, "fp32") == 16 * 4096 + 5
+    assert bytes_per_token(4096, 3, "fp8") == 5 * 4096 + 9

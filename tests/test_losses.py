@@ -1,0 +1,69 @@
+"""Each loss against a value computed by hand on a 2-token vocabulary."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spectrain.losses import LOSSES, get_loss
+
+# teacher p = [0.25, 0.75], student q = [0.75, 0.25] (given as log-probs = valid logits)
+P = [0.25, 0.75]
+Q = [0.75, 0.25]
+KL_PQ = P[0] * math.log(P[0] / Q[0]) + P[1] * math.log(P[1] / Q[1])
+KL_QP = Q[0] * math.log(Q[0] / P[0]) + Q[1] * math.log(Q[1] / P[1])
+M = [0.5, 0.5]
+JSD = 0.5 * sum(p * math.log(p / m) for p, m in zip(P, M)) + 0.5 * sum(q * math.log(q / m) for q, m in zip(Q, M))
+EXPECTED = {
+    "fkl": KL_PQ,
+    "rkl": KL_QP,
+    "jsd": JSD,
+    "tvd": 0.5 * (abs(0.25 - 0.75) + abs(0.75 - 0.25)),
+    "soft_ce": -(P[0] * math.log(Q[0]) + P[1] * math.log(Q[1])),
+    "hard_ce": -math.log(Q[1]),  # teacher argmax = token 1
+}
+
+
+def _pair():
+    student = torch.tensor([[math.log(Q[0]), math.log(Q[1])]])
+    # a constant shift of the teacher logits must not matter
+    teacher = torch.tensor([[math.log(P[0]) + 3.0, math.log(P[1]) + 3.0]])
+    return student, teacher
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_hand_computed(name):
+    s, t = _pair()
+    assert get_loss(name)(s, t).item() == pytest.approx(EXPECTED[name], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_mask_selects_positions_and_zero_at_equality(name):
+    s, t = _pair()
+    same = t.clone()
+    # row 0: mismatch (counted), row 1: student == teacher (masked out), row 2: garbage (masked out)
+    student = torch.cat([s, same, torch.tensor([[50.0, -50.0]])])
+    teacher = torch.cat([t, same, t])
+    mask = torch.tensor([1, 0, 0])
+    assert get_loss(name)(student, teacher, mask).item() == pytest.approx(EXPECTED[name], rel=1e-5)
+    if name not in ("soft_ce", "hard_ce"):  # divergences vanish when q == p
+        assert get_loss(name)(same, same).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_fkl_and_soft_ce_differ_by_teacher_entropy():
+    torch.manual_seed(0)
+    s, t = torch.randn(5, 7), torch.randn(5, 7)
+    p = t.softmax(-1)
+    entropy = -(p * p.log()).sum(-1).mean()
+    assert (get_loss("soft_ce")(s, t) - get_loss("fkl")(s, t)).item() == pytest.approx(entropy.item(), rel=1e-5)
+
+
+def test_empty_mask_is_zero_not_nan_and_bad_input_errors():
+    s, t = _pair()
+    assert get_loss("fkl")(s, t, torch.zeros(1)).item() == 0.0
+    with pytest.raises(ValueError, match="same"):
+        get_loss("fkl")(s, torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="choose one of"):
+        get_loss("kl")
