@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -160,7 +161,9 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name in methods}
     for _ in range(args.repeats):
         for name, fn in methods.items():
-            runs[name].append(fn())
+            r = fn()
+            runs[name].append(r)
+            print(f"  {name}: {r['emitted']} tokens in {r['wall']:.2f}s, tau {r['tau']:.2f}", file=sys.stderr, flush=True)
     rows = {}
     for name, rs in runs.items():
         rs.sort(key=lambda r: r["wall"])

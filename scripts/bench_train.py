@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # as the training loop does on CPU (denormals make CPU math crawl)
     recipe, target, drafter, src, batches = build(args.recipe, args.overrides, args.batches)
     dev, clock = target.device, Clock(target.device)
     amp = lambda: autocast_ctx(recipe, dev)  # noqa: E731

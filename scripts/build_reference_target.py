@@ -279,7 +279,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "assets" / "reference-target")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=1600)
+    p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)

@@ -159,7 +159,11 @@ def cmd_tiny_report(a) -> int:
     steps = [r for r in recs if "tokens_per_s" in r]
     evals = [r for r in recs if r.get("split") == "heldout"]
     timed = steps[min(5, len(steps) - 1):]
-    rec = {"device": _device_name("cuda"), "run": str(a.run), "steps": len(steps),
+    import yaml
+
+    recipe_file = Path(a.run) / "recipe.yaml"
+    precision = yaml.safe_load(recipe_file.read_text())["training"]["precision"] if recipe_file.is_file() else None
+    rec = {"device": _device_name(a.device), "run": str(a.run), "precision": precision, "steps": len(steps),
            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
            "first_loss": steps[0]["loss"], "last_loss": steps[-1]["loss"],
            "last_heldout_sim_tau_proxy": evals[-1].get("eval/sim_tau_proxy") if evals else None}
@@ -172,16 +176,26 @@ def _prompts(target, n: int, seed: int = 0) -> list[list[int]]:
         qs = ["What is the capital of France?", "Write a Python function that reverses a string.",
               "Give me three tips for staying healthy.", "Explain what a hash table is.",
               "Translate 'good morning' into German.", "Summarize the plot of Hamlet in two sentences."]
-        return [target.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                     tokenize=True) for q in qs[:n]]
+        tok = target.tokenizer
+        texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+                 for q in qs[:n]]
+        return [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]  # the template adds BOS
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, target.vocab_size, (12,), generator=g).tolist() for _ in range(n)]
 
 
-def _hf_greedy(target, prompt: list[int], max_new: int) -> list[int]:
+def _eos(target) -> list[int]:
+    """One explicit eos set for both decoders, so a stop-token difference cannot pass for a mismatch."""
+    eos = getattr(target.model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = target.config.eos_token_id
+    return [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _hf_greedy(target, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
     ids = torch.tensor([prompt], device=target.device)
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
-                                pad_token_id=target.config.pad_token_id or 0)
+                                eos_token_id=eos or None, pad_token_id=target.config.pad_token_id or 0)
     return out[0, len(prompt):].tolist()
 
 
@@ -190,13 +204,14 @@ def lossless_one(target, drafter_spec: str, prompts, max_new: int, k: int) -> di
     from spectrain import load_drafter, speculative_generate
 
     drafter = load_drafter(drafter_spec, target)
+    eos = _eos(target)
     mismatches, total, t_spec, t_hf, accepted_len = [], 0, 0.0, 0.0, []
     for i, p in enumerate(prompts):
         t0 = time.perf_counter()
-        ref = _hf_greedy(target, p, max_new)
+        ref = _hf_greedy(target, p, max_new, eos)
         t1 = time.perf_counter()
-        out = speculative_generate(target, drafter, torch.tensor([p], device=target.device), max_new_tokens=max_new,
-                                   k=k, temperature=0.0)
+        out = speculative_generate(target, drafter, p, max_new_tokens=max_new, k=k, temperature=0.0,
+                                   eos_token_id=eos)
         t2 = time.perf_counter()
         t_hf, t_spec = t_hf + t1 - t0, t_spec + t2 - t1
         n = min(len(ref), len(out.tokens))
@@ -245,7 +260,8 @@ def cmd_summary(a) -> int:
     lines = ["# spectrain GPU check", ""]
     tiny, syn, lo = load("tiny_train"), load("synthetic"), load("lossless")
     if tiny:
-        lines.append(f"- tiny EAGLE-3 recipe, 1 process, bf16, {tiny['device']}: {tiny['median_tokens_per_s']:.0f} "
+        lines.append(f"- tiny EAGLE-3 recipe, 1 process, {tiny['precision']}, {tiny['device']}: "
+                     f"{tiny['median_tokens_per_s']:.0f} "
                      f"tokens/s (median over {tiny['steps']} steps, warm-up excluded); loss {tiny['first_loss']:.3f} "
                      f"-> {tiny['last_loss']:.3f}")
     if syn:

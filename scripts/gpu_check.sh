@@ -48,7 +48,8 @@ run_step() {  # run_step NAME TIMEOUT_S CMD...: log to RESULTS/NAME.log, remembe
     local name=$1 limit=$2
     shift 2
     local t0=$SECONDS
-    if timeout "$limit" "$@" >> "$RESULTS/$name.log" 2>&1; then
+    # -k: the training loop treats SIGTERM as preemption (checkpoint, then exit), so follow up with SIGKILL
+    if timeout -k 60 "$limit" "$@" >> "$RESULTS/$name.log" 2>&1; then
         echo "gpu_check: $name ok ($((SECONDS - t0)) s)"
     else
         echo "gpu_check: $name FAILED (exit $?, $((SECONDS - t0)) s); see $RESULTS/$name.log" >&2

@@ -229,7 +229,8 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         before = _render(tokenizer, messages[:i], True) if i else ""
         through = full if i == len(messages) - 1 else _render(tokenizer, messages[: i + 1], False)
         # Some templates put extra text in the generation prompt; the reply starts after the common part.
-        segment = through[len(os.path.commonprefix([before, through])):]
+        prefix = len(before) if through.startswith(before) else len(os.path.commonprefix([before, through]))
+        segment = through[prefix:]
         if through.startswith(before) and full.startswith(through) and len(before) >= cursor:
             start, end = len(before), len(through)
         else:

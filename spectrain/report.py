@@ -195,18 +195,19 @@ def plot_acceptance(out_dir: Path, records: list[dict], target: str) -> list[Pat
 
     paths = []
     for (drafter, config), recs in _groups(records).items():
-        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+        fig, ax = plt.subplots(figsize=(9.5, 4.2), dpi=120)
         colors = plt.get_cmap("tab10")
         kmax = max(len(r["alpha"]) for r in recs) or 1
         for i, r in enumerate(recs):
             ls, marker = SPLIT_STYLE.get(r["split"], ("--", "^"))
             ys = [float("nan") if a is None else a for a in r["alpha"]]
             ax.plot(range(1, len(ys) + 1), ys, ls=ls, marker=marker, color=colors(i % 10), lw=2 if
-                    r["split"] == "held-out" else 1.5, label=f"{r['prompt_set']} [{r['split']}] tau={_f(r['tau'])}")
+                    r["split"] == "held-out" else 1.5, label=f"{r['prompt_set']} [{r['split']}] tau={_f(r['tau'])}, "
+                    f"n_i={'/'.join(map(str, r['attempts']))}")
         ax.set(xlabel="draft position i", ylabel="alpha_i (conditional acceptance)", ylim=(-0.02, 1.05),
                xticks=range(1, kmax + 1), title=f"{Path(drafter).name or drafter} · {config}\ntarget {target}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), title="solid: held-out, dashed: OOD",
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), title="solid: held-out, dashed: OOD; n_i = times position i was verified",
                   title_fontsize=7)
         fig.tight_layout()
         p = out_dir / f"acceptance_{_slug(drafter)}_{_slug(config)}.png"

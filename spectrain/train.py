@@ -165,7 +165,28 @@ def make_accelerator(recipe):
         raise ValueError(f"the launcher started {world} processes (WORLD_SIZE) but accelerate formed a group of "
                          f"{acc.num_processes} ({acc.distributed_type}); on CPU set ACCELERATE_USE_CPU=1, or "
                          "launch with a matching recipes/accelerate config")
+    _fill_deepspeed_config(acc, recipe.training)
     return acc
+
+
+def _fill_deepspeed_config(acc, t) -> None:
+    """DeepSpeed reads batch sizes and clipping from its own config; fill its "auto" values from the recipe
+    (the loop has no DataLoader for accelerate to infer them from) and refuse contradicting ones."""
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    cfg = plugin.deepspeed_config
+    want = {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps":
+            acc.gradient_accumulation_steps, "train_batch_size": t.global_batch_size}
+    for key, value in want.items():
+        if cfg.get(key, "auto") == "auto":
+            cfg[key] = value
+        elif int(cfg[key]) != value:
+            raise ValueError(f"the DeepSpeed config sets {key}={cfg[key]} but the recipe implies {value} "
+                             f"(global_batch_size={t.global_batch_size}, micro_batch_size={t.micro_batch_size}, "
+                             f"{acc.num_processes} processes); set it to \"auto\" in the DeepSpeed config")
+    if cfg.get("gradient_clipping", "auto") == "auto":
+        cfg["gradient_clipping"] = t.grad_clip
 
 
 def build_optimizer(recipe, drafter: nn.Module, target) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
@@ -251,6 +272,8 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
 
     acc = make_accelerator(recipe)
     t = recipe.training
+    if acc.device.type == "cpu":
+        torch.set_flush_denormal(True)  # tiny Adam/grad values as denormals make CPU kernels crawl
     set_seed(t.seed)
     if target is None:
         target = load_target(recipe.target.name_or_path, dtype=recipe.target.dtype, device=acc.device,

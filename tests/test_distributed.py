@@ -121,7 +121,7 @@ def free_port() -> int:
 
 
 def launch(launcher: str, nproc: int, args: list[str], env: dict | None = None, config: Path | None = None,
-           timeout: int = 300) -> subprocess.CompletedProcess:
+           timeout: int = 900) -> subprocess.CompletedProcess:
     """Run this file's worker under `python`, `torchrun` or `accelerate launch`; fail loudly with its output."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}  # env={"X": None} removes X
@@ -216,21 +216,14 @@ def _metrics(out: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_cpu_launchers_form_real_groups(tmp_path):
-    """torchrun and accelerate launch (cpu_ddp.yaml) give 2 gloo ranks; without ACCELERATE_USE_CPU=1 the
-    loop refuses instead of letting two lone processes train side by side."""
-    for name, launcher, kw in [("torchrun", "torchrun", {}),
-                               ("accelerate", "accelerate", {"config": REPO / "recipes/accelerate/cpu_ddp.yaml"})]:
-        out = tmp_path / name
-        check_ok(launch(launcher, 2, ["ranks", str(out)], env={"ACCELERATE_USE_CPU": "1"}, **kw))
-        recs = read_records(out)
-        assert [r["rank"] for r in recs] == [0, 1], name
-        assert all(r["world"] == 2 and r["dist_world_size"] == 2 and r["backend"] == "gloo" for r in recs), recs
-        assert all(r["type"] == "DistributedType.MULTI_CPU" and r["grad_accum"] == 1 for r in recs), recs
-        assert recs[0]["pid"] != recs[1]["pid"]
+def test_torchrun_without_cpu_flag_is_refused(tmp_path):
+    """Without ACCELERATE_USE_CPU=1 on a CPU machine each torchrun process would believe it is alone and
+    train on all the data; the loop must refuse. (The working launch lines are checked from inside the
+    processes by the fixtures: accelerate launch + cpu_ddp.yaml, torchrun in the resume test.)"""
     proc = launch("torchrun", 2, ["ranks", str(tmp_path / "no-cpu-flag")], env={"ACCELERATE_USE_CPU": None})
     assert proc.returncode != 0
     assert "ACCELERATE_USE_CPU=1" in proc.stdout + proc.stderr
+    assert not list((tmp_path / "no-cpu-flag").glob("rank*.json"))
 
 
 @pytest.mark.slow
@@ -279,7 +272,10 @@ def test_resume_on_two_processes_from_a_one_process_checkpoint(assets, recipe, r
     assert json.loads((step4 / "trainer_state.json").read_text())["world_size"] == 1
     run = _run(assets, recipe, "resumed", "torchrun", 2, [f"training.resume_from={step4}"],
                env={"ACCELERATE_USE_CPU": "1"})
-    assert all(len(r["micro_batches"]) == STEPS - 4 for r in run["records"])  # steps 5..8 only
+    recs = run["records"]
+    assert [r["rank"] for r in recs] == [0, 1]
+    assert all(r["world"] == 2 and r["dist_world_size"] == 2 and r["backend"] == "gloo" for r in recs), recs
+    assert all(len(r["micro_batches"]) == STEPS - 4 for r in recs)  # only the steps after the checkpoint
     diff, key = max_weight_diff(load_drafter_weights(reference["out"]), load_drafter_weights(run["out"]))
     assert diff <= TOL, f"{key} differs by {diff:.3g}"
     assert json.loads((run["out"] / "run_info.json").read_text())["grad_accum"] == 1
@@ -291,14 +287,11 @@ def test_deepspeed_zero2_two_processes_match_one_process(assets, recipe, referen
     import yaml
 
     root = assets[0]
-    # The loop hands accelerate no DataLoader, so DeepSpeed cannot infer the micro-batch size; these
-    # values are what the recipe implies for 2 processes (micro 4, accumulation 1, global 8).
-    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 8,
-          "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
-    (root / "ds_zero2.json").write_text(json.dumps(ds))
-    cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "num_processes": 2,
-           "num_machines": 1, "machine_rank": 0, "use_cpu": True,
-           "deepspeed_config": {"deepspeed_config_file": str(root / "ds_zero2.json")}}
+    # recipes/accelerate/zero2.yaml with CPU settings: no DeepSpeed JSON, so the batch sizes and clipping
+    # DeepSpeed needs come from the loop (filled from the recipe), as on a GPU node.
+    cfg = yaml.safe_load((REPO / "recipes/accelerate/zero2.yaml").read_text())
+    cfg.update(num_processes=2, use_cpu=True, mixed_precision="no", gpu_ids=None)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
     (root / "zero2_cpu.yaml").write_text(yaml.safe_dump(cfg))
     run = _run(assets, recipe, "zero2", "accelerate", 2, config=root / "zero2_cpu.yaml",
                env={"SPECTRAIN_TEST_GLOO_STATE": "1"})

@@ -143,6 +143,26 @@ def test_too_long_prompts_are_skipped_or_truncated(workdir):
         encode_prompts(ps, tok, 5, max_len=50)
 
 
+def test_default_mix_drops_a_set_that_cannot_fit_but_a_named_one_fails(workdir):
+    from transformers import AutoTokenizer
+
+    from spectrain.evaluate import _encode_all
+
+    tok = AutoTokenizer.from_pretrained(workdir / "target")
+
+    def sets():
+        return [PromptSet("short", "OOD", [[{"role": "user", "content": "two"}]], source="t"),
+                PromptSet("long", "OOD", [[{"role": "user", "content": "two plus " * 100}]], source="t")]
+
+    args = SimpleNamespace(prompts=None, n=2, max_prompt_tokens=None, no_chat_template=False)
+    kept = sets()
+    assert list(_encode_all(kept, tok, 50, args)) == ["short"] and [p.name for p in kept] == ["short"]
+    assert args.dropped_sets[0]["name"] == "long" and "--max-prompt-tokens" in args.dropped_sets[0]["reason"]
+    args = SimpleNamespace(prompts=["short", "long"], n=2, max_prompt_tokens=None, no_chat_template=False)
+    with pytest.raises(ValueError, match="'long': every prompt is longer than the 50 tokens"):
+        _encode_all(sets(), tok, 50, args)
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--k", "0"], "--k must be >= 1"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
@@ -238,7 +258,7 @@ def test_wandb_offline_run_writes_files(workdir, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     (tmp_path / "wb").mkdir()
-    _run(workdir, tmp_path / "out", "--temperature", "0", "--report-to", "wandb", "--cost-ratio", "0.05")
+    _run(workdir, tmp_path / "out", "--temperature", "0", "--report-to", "wandb", "--cost-ratio", "0.05", "--n", "1")
     runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     tables = [p.name for p in runs[0].rglob("*.table.json")]

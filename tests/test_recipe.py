@@ -201,3 +201,12 @@ def test_check_needs_chat_template(tmp_path, tiny_model_dir, capsys):
         extra.unlink()
     assert check_main(str(_check_recipe(tmp_path, d)), []) == 1
     assert "has no chat template" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (ROOT / "assets" / "reference-target" / "config.json").exists(),
+                    reason="bundled reference target not built")
+def test_check_tiny_recipe_on_reference_target(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # recipe paths are relative to the working directory
+    assert check_main("recipes/tiny/eagle3.yaml", []) == 0
+    out = capsys.readouterr().out
+    assert "OK target assets/reference-target: llama, 8 layers" in out and "<|end|>'" in out

@@ -62,10 +62,12 @@ class Proposal:
     ``probs`` (sampling only; ignored when greedy). ``None`` means deterministic drafts (e.g. top-k
     or n-gram): q = one-hot, always exact, acceptance = p(x). Otherwise ``probs[i]`` must be the
     distribution node i was actually *drawn* from (same warp as ``ctx.sampler``), given the path to
-    it and its earlier siblings; the tree shape may depend only on those earlier draws, not on later
-    ones. Siblings drawn i.i.d. from one q: give that q for each. Siblings drawn *without
-    replacement*: give the parent's q for each and set ``without_replacement=True``; the verifier
-    zeroes the earlier siblings' tokens and renormalises. Anything else is not lossless.
+    it and its earlier siblings. Whether a drawn node stays in the tree must not depend on its own
+    value or on its later siblings' values (keep or drop whole prefixes of a sibling group); which
+    nodes get expanded may depend on anything. Siblings drawn i.i.d. from one q: give that q for
+    each. Siblings drawn *without replacement*: give the parent's q for each and set
+    ``without_replacement=True``; the verifier zeroes the earlier siblings' tokens and renormalises.
+    Anything else is not lossless (tests/test_sampling_exact.py checks such claims statistically).
     """
 
     tokens: torch.Tensor  # [n] drafted ids
