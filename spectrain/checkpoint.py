@@ -186,6 +186,7 @@ def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: i
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / ENGINE_DIR))
+    accelerator.wait_for_everyone()  # other ranks may still be writing RNG state / ZeRO shards into tmp
     if accelerator.is_main_process:
         drafter.save_pretrained(str(tmp))
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))

@@ -72,11 +72,11 @@ class FrozenTarget:
 
     @property
     def hidden_size(self) -> int:
-        return self.embed_tokens.weight.shape[1]
+        return _full_shape(self.embed_tokens.weight)[1]
 
     @property
     def vocab_size(self) -> int:
-        return self.lm_head.weight.shape[0]
+        return _full_shape(self.lm_head.weight)[0]
 
     @property
     def device(self) -> torch.device:
@@ -168,6 +168,11 @@ class FrozenTarget:
         )
 
     __call__ = forward
+
+
+def _full_shape(w: torch.Tensor) -> tuple:
+    # DeepSpeed ZeRO-3 partitions weights to shape (0,) and keeps the real one in ds_shape.
+    return tuple(getattr(w, "ds_shape", w.shape))
 
 
 def _capture_input(store: dict, key):

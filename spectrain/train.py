@@ -152,7 +152,15 @@ def make_accelerator(recipe):
         if importlib.util.find_spec(t) is None:
             raise ValueError(f"tracking.report_to includes {t} but {t} is not installed: "
                              f"pip install 'spectrain[{t}]' (or drop it from tracking.report_to)")
+    handlers = []
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not torch.cuda.is_available():
+        from accelerate.utils import InitProcessGroupKwargs
+
+        # DeepSpeed's CPU accelerator forms a gloo group, but accelerate finds no device backend and
+        # would report world size 1 unless told the backend.
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
     acc = Accelerator(
+        kwargs_handlers=handlers,
         mixed_precision=resolve_precision(recipe.training.precision),
         gradient_accumulation_steps=recipe.training.grad_accum(world),
         log_with=trackers or None,
@@ -472,7 +480,13 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
     saved = ckpt.resume(acc, run.out, t.resume_from, recipe.to_dict(), run.metrics_path)
     if saved is not None:
         run.state = {k: saved[k] for k in run.state}
-    ckpt.start_run(acc, recipe, {"total_steps": run.total, "steps_per_epoch": run.steps_per_epoch,
+    elif acc.is_main_process:
+        # The untrained head: the baseline a report compares the trained one against.
+        run.drafter.save_pretrained(str(run.out / "init"))
+    from spectrain.features import target_fingerprint
+
+    ckpt.start_run(acc, recipe, {"target_fingerprint": target_fingerprint(run.target),
+                                 "total_steps": run.total, "steps_per_epoch": run.steps_per_epoch,
                                  "grad_accum": acc.gradient_accumulation_steps,
                                  "mixed_precision": str(acc.mixed_precision), "resumed_at_step": run.state["step"]})
     preempt = ckpt.Preemption()

@@ -323,3 +323,18 @@ def test_sampled_tree_is_lossless(target):
 @pytest.mark.slow
 def test_sampled_tree_check_detects_value_dependent_pruning(target):
     assert _sampled_tree_pvalue(target, broken=True) < 1e-3  # measured 7e-5
+
+
+def test_head_loaded_on_a_target_with_other_weights_warns(tmp_path):
+    """Same shapes, different weights (e.g. a rebuilt target): loading works but must warn loudly."""
+    import warnings
+
+    from conftest import make_tiny_target
+
+    t1, t2 = make_tiny_target(seed=0), make_tiny_target(seed=1)
+    make_head(t1).save_pretrained(tmp_path / "head")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Eagle3Drafter.from_pretrained(tmp_path / "head", t1)  # its own target: silent
+    with pytest.warns(UserWarning, match="other weights"):
+        Eagle3Drafter.from_pretrained(tmp_path / "head", t2)

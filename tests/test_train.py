@@ -166,7 +166,7 @@ def test_eagle3_run_dir(tmp_path):
     assert s["step"] == 7 and s["interrupted_by"] is None
     assert all(torch.equal(v, target.model.state_dict()[k]) for k, v in before.items())  # target untouched
     info = json.loads((run / "run_info.json").read_text())
-    assert info["world_size"] == 1 and info["versions"]["torch"] and "git_sha" in info and info["command"]
+    assert info["world_size"] == 1 and info["target_fingerprint"] and info["versions"]["torch"] and "git_sha" in info and info["command"]
     assert info["grad_accum"] == 2 and (run / "recipe.yaml").is_file()
     ckpts = sorted(p.name for p in run.glob("step-*"))
     assert ckpts == ["step-6", "step-7"], ckpts  # keep_checkpoints=2; the final step always saved

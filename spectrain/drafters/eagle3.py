@@ -20,6 +20,7 @@ embeddings are used frozen and never stored.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -221,6 +222,11 @@ class Eagle3Drafter(nn.Module):
         d2t, t2d = build_draft_vocab(token_counts, e.draft_vocab_size, target.vocab_size)
         cfg = config_from_target(target, e, aux, e.draft_vocab_size)
         cfg["loss"] = recipe.drafter.loss
+        from spectrain.features import target_fingerprint
+
+        # Same shapes do not mean same weights: a head trained on another build of the target
+        # loads fine and then accepts almost nothing. Record which target it was trained on.
+        cfg["target_fingerprint"] = target_fingerprint(target)
         return cls(cfg, d2t, t2d).to(target.device)
 
     def feature_spec(self) -> dict:
@@ -324,10 +330,21 @@ class Eagle3Drafter(nn.Module):
                 raise ValueError(f"EAGLE-3 head at {path} was trained for a target with {key}={cfg[key]}, "
                                  f"this target ({target.name_or_path}) has {have}: wrong target?")
         target.validate_aux_layers(cfg["aux_layers"])
+        _warn_if_other_target(cfg, target, path)
         state = load_file(str(path / WEIGHTS_NAME))
         model = cls(cfg, state["d2t"], state["t2d"])
         model.load_state_dict(state, strict=True)
         return model.to(target.device)
+
+
+def _warn_if_other_target(cfg: dict, target, path) -> None:
+    from spectrain.features import target_fingerprint
+
+    want = cfg.get("target_fingerprint")
+    if want and want != target_fingerprint(target):
+        warnings.warn(f"EAGLE-3 head at {path} was trained on a target with other weights (fingerprint {want}, "
+                      f"this target {target_fingerprint(target)}): same shapes, but expect low acceptance. "
+                      "Retrain the head on this target.", stacklevel=3)
 
 
 # ---- decoding adapter ------------------------------------------------------------------------
