@@ -17,6 +17,7 @@ saved by the engine that owns them, not by home-made code.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -176,8 +177,10 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: int) -> Path:
-    """Collective (every rank calls it). Writes step-N atomically, repoints `last`, prunes old ones."""
+def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: int,
+                    full_weights=contextlib.nullcontext) -> Path:
+    """Collective (every rank calls it). Writes step-N atomically, repoints `last`, prunes old ones.
+    ``full_weights()``: a context (entered on every rank) in which the drafter's weights are whole (ZeRO-3)."""
     step = int(state["step"])
     final = output_dir / f"step-{step}"
     tmp = output_dir / f".tmp-step-{step}"  # same name on every rank: they share the directory
@@ -187,8 +190,10 @@ def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: i
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / ENGINE_DIR))
     accelerator.wait_for_everyone()  # other ranks may still be writing RNG state / ZeRO shards into tmp
+    with full_weights():
+        if accelerator.is_main_process:
+            drafter.save_pretrained(str(tmp))
     if accelerator.is_main_process:
-        drafter.save_pretrained(str(tmp))
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         if final.exists():  # a re-run of the same step (e.g. resumed then preempted again)
             shutil.rmtree(final)

@@ -247,6 +247,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="also log curves and tables to wandb (WANDB_MODE=offline works without network)")
     p.add_argument("--wandb-project", default="spectrain", help="wandb project name")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--device-map", default=None, choices=["auto", "balanced", "balanced_low_0", "sequential"],
+                   help="spread a target too large for one GPU over all visible GPUs (HF device_map)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
     return p
 
@@ -371,7 +373,8 @@ def main(args) -> int:
     target_name = args.target or recipe.target.name_or_path
     names = list(dict.fromkeys(args.prompts or ((["heldout"] if recipe else []) + DEFAULT_OOD_SETS)))
     sets = [load_prompt_set(n, Path(args.prompts_dir), recipe, tuple(args.in_domain)) for n in names]
-    target = load_target(target_name, dtype=args.dtype, device=args.device)
+    device_map = args.device_map or (recipe.target.device_map if recipe and not args.target else "") or None
+    target = load_target(target_name, dtype=args.dtype, device=args.device, device_map=device_map)
     if not args.no_chat_template and not getattr(target.tokenizer, "chat_template", None):
         raise ValueError(f"target {target_name!r} has no chat template in its tokenizer config; "
                          "pass --no-chat-template to feed the raw prompt text")

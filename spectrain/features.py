@@ -27,6 +27,7 @@ import bisect
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,9 +52,13 @@ def bytes_per_token(hidden: int, n_aux: int, dtype: str) -> int:
 
 def target_fingerprint(target) -> str:
     """Identity of a target's weights, stable across load dtypes (hashed after rounding to bf16)."""
+    from spectrain.target import gathered
+
     h = hashlib.sha256(json.dumps([target.num_layers, target.hidden_size, target.vocab_size]).encode())
-    for w in (target.norm.weight, target.lm_head.weight[:64], target.embed_tokens.weight[:64]):
-        h.update(w.detach().to(torch.bfloat16).float().cpu().contiguous().numpy().tobytes())
+    weights = (target.norm.weight, target.lm_head.weight, target.embed_tokens.weight)
+    with gathered(weights):  # ZeRO-3 keeps only a slice of each weight on a rank
+        for w in (weights[0], weights[1][:64], weights[2][:64]):
+            h.update(w.detach().to(torch.bfloat16).float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:32]
 
 
@@ -147,11 +152,48 @@ def cache_header(target, aux_layers: list[int], dtype: str, max_length: int) -> 
             "bytes_per_token": bytes_per_token(target.hidden_size, len(aux_layers), dtype)}
 
 
+def _reusable(out: Path, name: str, known: dict, a: int, b: int) -> dict | None:
+    """The entry of a finished shard (from the manifest or its sidecar) if the file still matches it."""
+    side = out / f"{name}.json"
+    for s in (known.get(name), json.loads(side.read_text()) if side.is_file() else None):
+        if s and s["row_start"] == a and s["rows"] == b - a and (out / name).is_file() \
+                and _sha256(out / name) == s["sha256"]:
+            return s
+    return None
+
+
+def _write_shard(target, out: Path, name: str, split: str, rows, a: int, b: int, lengths: list[int],
+                 aux_layers: list[int], dtype: str, batch_size: int) -> dict:
+    tensors = _compute_shard(target, [rows[i] for i in range(a, b)], aux_layers, dtype, batch_size)
+    path = out / name
+    tmp = out / f"{name}.tmp{os.getpid()}"
+    save_file(tensors, str(tmp), metadata={"split": split, "row_start": str(a)})
+    os.replace(tmp, path)
+    entry = {"file": name, "row_start": a, "rows": b - a, "lengths": lengths[a:b], "tokens": sum(lengths[a:b]),
+             "bytes": path.stat().st_size, "sha256": _sha256(path)}
+    # The sidecar is how another rank (or a resumed run) learns that this shard is finished.
+    side = out / f"{name}.json.tmp{os.getpid()}"
+    side.write_text(json.dumps(entry))
+    os.replace(side, out / f"{name}.json")
+    return entry
+
+
+def _collect_entries(out: Path, names: list[str]) -> list[dict]:
+    missing = [n for n in names if not (out / f"{n}.json").is_file()]
+    if missing:
+        raise RuntimeError(f"feature shards {missing[:3]} were not finished by their rank; rerun "
+                           "`spectrain prepare-features` with the same launch line (it resumes)")
+    return [json.loads((out / f"{n}.json").read_text()) for n in names]
+
+
 def write_feature_cache(target, splits: dict, out_dir, aux_layers: list[int], dtype: str = "bf16",
                         max_length: int = 0, shard_mb: float = 1024.0, batch_size: int = 8,
-                        verbose: bool = True) -> tuple[dict, dict]:
+                        verbose: bool = True, rank: int = 0, world: int = 1,
+                        barrier: Callable[[], None] = lambda: None) -> tuple[dict, dict]:
     """Write (or finish) the cache for ``splits`` = {name: rows with input_ids/loss_mask}.
-    Returns (manifest, {"written": n, "skipped": n}). Finished shards whose sha256 matches are kept."""
+    Returns (manifest, {"written": n, "skipped": n}) for this rank. Finished shards whose sha256 matches
+    are kept. With ``world`` > 1 every rank calls this with the same rows; rank r computes shards
+    j = r, r + world, ... and rank 0 writes the manifest once all are done (``barrier`` = the group's)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     aux_layers = target.validate_aux_layers(aux_layers)
@@ -173,30 +215,28 @@ def write_feature_cache(target, splits: dict, out_dir, aux_layers: list[int], dt
         if prev and prev["data_hash"] != dh:
             raise ValueError(f"the {split} data changed since {out} was written (data hash {prev['data_hash']} -> "
                              f"{dh}); choose another training.feature_cache or delete {out}")
-        done = {s["file"]: s for s in prev["shards"]} if prev else {}
+        known = {s["file"]: s for s in prev["shards"]} if prev else {}
         entry = {"rows": len(lengths), "tokens": sum(lengths), "data_hash": dh, "shards": [], "complete": False}
         manifest["splits"][split] = entry
-        for j, (a, b) in enumerate(_shard_bounds(lengths, budget)):
-            name = f"{split}-{j:05d}.safetensors"
-            path = out / name
-            s = done.get(name)
-            if s and s["row_start"] == a and s["rows"] == b - a and path.is_file() and _sha256(path) == s["sha256"]:
-                entry["shards"].append(s)
-                stats["skipped"] += 1
-                continue
-            tensors = _compute_shard(target, [rows[i] for i in range(a, b)], aux_layers, dtype, batch_size)
-            tmp = out / f"{name}.tmp{os.getpid()}"
-            save_file(tensors, str(tmp), metadata={"split": split, "row_start": str(a)})
-            os.replace(tmp, path)
-            entry["shards"].append({"file": name, "row_start": a, "rows": b - a, "lengths": lengths[a:b],
-                                    "tokens": sum(lengths[a:b]), "bytes": path.stat().st_size,
-                                    "sha256": _sha256(path)})
-            stats["written"] += 1
-            _write_manifest(out, manifest)  # after every shard: an interrupted run resumes from here
-            if verbose:
-                print(f"features: {split} shard {j} rows {a}..{b - 1} written ({path.stat().st_size / 2**20:.1f} MiB)")
-        entry["complete"] = True
-        _write_manifest(out, manifest)
+        bounds = _shard_bounds(lengths, budget)
+        names = [f"{split}-{j:05d}.safetensors" for j in range(len(bounds))]
+        for j in range(rank, len(bounds), world):
+            a, b = bounds[j]
+            s = _reusable(out, names[j], known, a, b)
+            stats["skipped" if s else "written"] += 1
+            if s is None:
+                s = _write_shard(target, out, names[j], split, rows, a, b, lengths, aux_layers, dtype, batch_size)
+                if verbose:
+                    print(f"features: rank {rank}: {split} shard {j} rows {a}..{b - 1} written "
+                          f"({s['bytes'] / 2**20:.1f} MiB)")
+            entry["shards"].append(s)
+            if world == 1:
+                _write_manifest(out, manifest)  # after every shard: an interrupted run resumes from here
+        barrier()
+        entry["shards"], entry["complete"] = _collect_entries(out, names), True
+        if rank == 0:
+            _write_manifest(out, manifest)
+        barrier()
     return manifest, stats
 
 
@@ -351,8 +391,24 @@ def _split_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
     return opts, rest
 
 
+def _process_group():
+    """(rank, world, device, barrier) from the launcher's environment (torchrun / accelerate launch)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, None, lambda: None
+    from accelerate import PartialState
+
+    state = PartialState()
+    if state.num_processes != world:
+        raise ValueError(f"the launcher started {world} processes (WORLD_SIZE) but they formed a group of "
+                         f"{state.num_processes}; on CPU set ACCELERATE_USE_CPU=1")
+    return state.process_index, world, state.device, state.wait_for_everyone
+
+
 def main(recipe_path: str, overrides: list[str]) -> int:
-    """`spectrain prepare-features RECIPE [features.dtype=bf16|fp32|fp8] [features.shard_mb=N] [overrides]`"""
+    """`spectrain prepare-features RECIPE [features.dtype=bf16|fp32|fp8] [features.shard_mb=N] [overrides]`.
+    One process (optionally with target.device_map to spread a large target over the GPUs), or N ranks
+    under torchrun / accelerate launch, each computing every N-th shard on its own device."""
     from spectrain.data import build_dataset
     from spectrain.recipe import load_recipe
     from spectrain.target import load_target
@@ -363,16 +419,28 @@ def main(recipe_path: str, overrides: list[str]) -> int:
     if not out:
         raise ValueError("training.feature_cache is empty: set the cache directory, e.g. "
                          "training.feature_cache=.cache/features/tiny-eagle3")
-    target = load_target(recipe.target.name_or_path, dtype=recipe.target.dtype,
+    rank, world, device, barrier = _process_group()
+    if world > 1 and recipe.target.device_map:
+        raise ValueError(f"target.device_map={recipe.target.device_map!r} spreads one target over all visible "
+                         f"GPUs, but {world} ranks were launched: use one process with device_map, or ranks "
+                         "without it (each rank then holds a full target copy)")
+    target = load_target(recipe.target.name_or_path, dtype=recipe.target.dtype, device=device,
+                         device_map=recipe.target.device_map or None,
                          trust_remote_code=recipe.target.trust_remote_code)
-    splits = {"train": build_dataset(recipe.data, target.tokenizer, "train")}
-    if recipe.data.heldout_fraction > 0:
-        splits["heldout"] = build_dataset(recipe.data, target.tokenizer, "heldout")
+    splits = {}
+    for split in SPLITS if recipe.data.heldout_fraction > 0 else SPLITS[:1]:
+        if rank > 0:
+            barrier()  # rank 0 tokenises first and fills the data cache; the others then read it
+        splits[split] = build_dataset(recipe.data, target.tokenizer, split, verbose=rank == 0)
+        if rank == 0:
+            barrier()
     manifest, stats = write_feature_cache(target, splits, out, aux_layers_for(recipe, target), opts["dtype"],
-                                          recipe.data.max_length, opts["shard_mb"], opts["batch_size"])
+                                          recipe.data.max_length, opts["shard_mb"], opts["batch_size"],
+                                          rank=rank, world=world, barrier=barrier)
     total = sum(sh["bytes"] for s in manifest["splits"].values() for sh in s["shards"])
     tokens = sum(s["tokens"] for s in manifest["splits"].values())
-    print(f"features: {out}: {stats['written']} shards written, {stats['skipped']} already done; "
-          f"{tokens} tokens, {total / 2**20:.1f} MiB ({total / max(tokens, 1):.0f} bytes/token on disk, "
-          f"{manifest['bytes_per_token']} nominal, dtype {manifest['dtype']})")
+    if rank == 0:
+        print(f"features: {out}: {stats['written']} shards written, {stats['skipped']} already done (rank 0 of "
+              f"{world}); {tokens} tokens, {total / 2**20:.1f} MiB ({total / max(tokens, 1):.0f} bytes/token on "
+              f"disk, {manifest['bytes_per_token']} nominal, dtype {manifest['dtype']})")
     return 0

@@ -29,6 +29,7 @@ import yaml
 
 DrafterKind = Literal["eagle3", "medusa", "draft", "ngram"]
 LossName = Literal["fkl", "rkl", "jsd", "tvd", "soft_ce", "hard_ce"]
+DEVICE_MAPS = ("", "auto", "balanced", "balanced_low_0", "sequential")
 Tracker = Literal["none", "jsonl", "wandb", "tensorboard"]
 
 
@@ -37,6 +38,7 @@ class TargetConfig:
     name_or_path: str = "assets/reference-target"
     dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] = "auto"
     trust_remote_code: bool = False
+    device_map: str = ""  # "" = one device; auto | balanced | sequential = spread over the visible GPUs (HF device_map)
 
 
 @dataclass
@@ -238,6 +240,8 @@ def validate(r: Recipe) -> Recipe:
     """Numeric and cross-field sanity. Raises ValueError naming the key and the fix."""
     d, t, dr = r.data, r.training, r.drafter
     _require(len(r.target.name_or_path) > 0, "target.name_or_path is empty: give an HF hub id or a local model dir")
+    _require(r.target.device_map in DEVICE_MAPS, f"target.device_map={r.target.device_map!r}: use one of "
+             f"{', '.join(repr(m) for m in DEVICE_MAPS)} ('' = the whole target on one device)")
     _require(len(d.train_files) > 0, "data.train_files is empty: list at least one file, dir or dataset name")
     _require(d.max_length >= 8, f"data.max_length={d.max_length} is too small (need >= 8)")
     _require(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)")

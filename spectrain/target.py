@@ -9,6 +9,7 @@ We never fork modelling code. Features come from forward hooks on the model's ow
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 
@@ -159,11 +160,16 @@ class FrozenTarget:
             for h in handles:
                 h.remove()
         new_cache = getattr(out, self._cache_kw, None)
+        dev = self.device  # with a device_map the taps sit on different GPUs; callers get one device
+
+        def here(x):
+            return None if x is None else x.to(dev)
+
         return TargetOutput(
-            logits=logits,
-            aux_hidden=[captured[li] for li in aux_layers],
-            last_hidden=captured.get("last"),
-            final_hidden=captured.get("final"),
+            logits=here(logits),
+            aux_hidden=[here(captured[li]) for li in aux_layers],
+            last_hidden=here(captured.get("last")),
+            final_hidden=here(captured.get("final")),
             cache=new_cache if new_cache is not None else cache,
         )
 
@@ -173,6 +179,17 @@ class FrozenTarget:
 def _full_shape(w: torch.Tensor) -> tuple:
     # DeepSpeed ZeRO-3 partitions weights to shape (0,) and keeps the real one in ds_shape.
     return tuple(getattr(w, "ds_shape", w.shape))
+
+
+def gathered(params) -> contextlib.AbstractContextManager:
+    """Inside the block, ZeRO-3-partitioned parameters hold their full values (collective: every rank must
+    enter). A no-op for ordinary parameters."""
+    params = list(params)
+    if any(hasattr(p, "ds_shape") for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params)
+    return contextlib.nullcontext()
 
 
 def _capture_input(store: dict, key):

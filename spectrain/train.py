@@ -35,17 +35,24 @@ import torch
 from torch import nn
 
 from spectrain import checkpoint as ckpt
-from spectrain.target import load_target
+from spectrain.target import gathered, load_target
 
 
-def _eagle3():
-    from spectrain.drafters.eagle3 import Eagle3Drafter
+def _lazy_class(module: str, name: str) -> Callable[[], type]:
+    def load() -> type:
+        import importlib
 
-    return Eagle3Drafter
+        return getattr(importlib.import_module(module), name)
+
+    return load
 
 
 # kind -> zero-arg loader of the class (lazy: importing a family must not cost the others anything)
-DRAFTERS: dict[str, Callable[[], type]] = {"eagle3": _eagle3}
+DRAFTERS: dict[str, Callable[[], type]] = {
+    "eagle3": _lazy_class("spectrain.drafters.eagle3", "Eagle3Drafter"),
+    "medusa": _lazy_class("spectrain.drafters.medusa", "MedusaHeads"),
+    "draft": _lazy_class("spectrain.drafters.draft_lm", "DraftStudent"),
+}
 
 
 class TrainingDiverged(ValueError):
@@ -266,6 +273,38 @@ def make_sources(recipe, target, train_rows, heldout_rows, device):
     return OnlineSource(train_rows, target, pad, device), held
 
 
+def zero3(acc) -> bool:
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def _load_target(recipe, acc):
+    tc = recipe.target
+    if tc.device_map and acc.num_processes > 1:
+        raise ValueError(f"target.device_map={tc.device_map!r} spreads one target over every visible GPU, but "
+                         f"{acc.num_processes} processes were launched: train from offline features "
+                         "(`spectrain prepare-features` with device_map, then training.features=offline) or "
+                         "shard the target with ZeRO-3 (recipes/accelerate/zero3.yaml)")
+    return load_target(tc.name_or_path, dtype=tc.dtype, device=None if tc.device_map else acc.device,
+                       device_map=tc.device_map or None, trust_remote_code=tc.trust_remote_code)
+
+
+def _shard_target(target) -> None:
+    """ZeRO-3: the frozen target becomes a DeepSpeed inference engine, so each rank keeps 1/N of its weights
+    and every layer is gathered on the fly (its hooks fire on target.model's own submodules, so FrozenTarget's
+    forward, feature taps, embed() and logits_from_last_hidden() work unchanged). No optimizer: not trained."""
+    import deepspeed
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=target.model, config=cfg)
+    target.zero3_engine = engine  # keep it alive: it owns the gather hooks
+
+
+def full_drafter(run):
+    """Context in which the drafter's weights are whole (ZeRO-3 shards them); collective, every rank enters."""
+    return gathered(run.acc.unwrap_model(run.model).drafter.parameters())
+
+
 class Run:
     """Everything the loop touches, built once by ``setup``."""
 
@@ -284,8 +323,9 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
         torch.set_flush_denormal(True)  # tiny Adam/grad values as denormals make CPU kernels crawl
     set_seed(t.seed)
     if target is None:
-        target = load_target(recipe.target.name_or_path, dtype=recipe.target.dtype, device=acc.device,
-                             trust_remote_code=recipe.target.trust_remote_code)
+        target = _load_target(recipe, acc)
+    if zero3(acc):
+        _shard_target(target)
     if train_rows is None and t.features == "online":
         with acc.main_process_first():  # rank 0 tokenises and caches; the others read the cache
             train_rows = build_dataset(recipe.data, target.tokenizer, "train", verbose=acc.is_main_process)
@@ -295,7 +335,8 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
     counts = train_src.token_frequencies() if t.features == "offline" else \
         token_frequencies(train_rows, target.vocab_size)
     set_seed(t.seed)  # the drafter init must not depend on how much RNG the data loading used
-    drafter = cls.from_recipe(recipe, target, counts).to(acc.device)
+    with gathered([p for m in (target.embed_tokens, target.lm_head, target.norm) for p in m.parameters()]):
+        drafter = cls.from_recipe(recipe, target, counts).to(acc.device)  # (Medusa copies the lm_head)
     drafter.train()
     for src in (train_src, held_src):
         if src is not None:
@@ -419,12 +460,17 @@ def evaluate(run) -> dict | None:
     module = acc.unwrap_model(run.model)  # plain module: no DDP collectives in a ragged eval loop
     idx = sorted(range(acc.process_index, len(src), acc.num_processes), key=lambda i: src.lengths[i])
     micro, parts = run.recipe.training.micro_batch_size, []
+    # Every rank runs the same number of forwards: under ZeRO-3 each one is collective (weight gathers).
+    n_batches = math.ceil(math.ceil(len(src) / acc.num_processes) / micro)
     run.drafter.eval()
     try:
-        for i in range(0, len(idx), micro):
-            batch, feats = src.get(idx[i:i + micro])
+        for i in range(0, n_batches * micro, micro):
+            rows = idx[i:i + micro]
+            batch, feats = src.get(rows or [0])  # a rank with no rows left runs a filler batch, discarded
             with acc.autocast():
                 loss, metrics = module(batch, feats)
+            if not rows:
+                continue
             m = {k: float(v) for k, v in metrics.items()}
             m["loss"] = float(loss)
             parts.append((m, float(metrics.get("tokens", batch["loss_mask"].sum()))))
@@ -453,18 +499,19 @@ def maybe_best(run, ev: dict | None) -> None:
     best = run.state["best_sim_tau"]
     if best is None or tau > best:
         run.state["best_sim_tau"], run.state["best_step"] = tau, run.state["step"]
-        if run.acc.is_main_process:
-            info = {"step": run.state["step"], "sim_tau_proxy": tau,
-                    "criterion": "held-out simulated tau (greedy teacher-forced proxy, +1 bonus)",
-                    **{k: v for k, v in ev.items() if k.startswith("eval/")}}
-            ckpt.save_best(run.acc.unwrap_model(run.model).drafter, run.out, info)
+        with full_drafter(run):
+            if run.acc.is_main_process:
+                info = {"step": run.state["step"], "sim_tau_proxy": tau,
+                        "criterion": "held-out simulated tau (greedy teacher-forced proxy, +1 bonus)",
+                        **{k: v for k, v in ev.items() if k.startswith("eval/")}}
+                ckpt.save_best(run.acc.unwrap_model(run.model).drafter, run.out, info)
 
 
 def save(run) -> Path:
     state = dict(run.state, recipe_hash=ckpt.recipe_hash(run.recipe.to_dict()),
                  world_size=run.acc.num_processes, total_steps=run.total)
     return ckpt.save_checkpoint(run.acc, run.acc.unwrap_model(run.model).drafter, run.out, state,
-                                run.recipe.training.keep_checkpoints)
+                                run.recipe.training.keep_checkpoints, full_weights=lambda: full_drafter(run))
 
 
 # ---- the loop ----------------------------------------------------------------------------------------
@@ -480,9 +527,10 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
     saved = ckpt.resume(acc, run.out, t.resume_from, recipe.to_dict(), run.metrics_path)
     if saved is not None:
         run.state = {k: saved[k] for k in run.state}
-    elif acc.is_main_process:
-        # The untrained head: the baseline a report compares the trained one against.
-        run.drafter.save_pretrained(str(run.out / "init"))
+    else:
+        with full_drafter(run):
+            if acc.is_main_process:  # the untrained head: the baseline a report compares the trained one against
+                run.drafter.save_pretrained(str(run.out / "init"))
     from spectrain.features import target_fingerprint
 
     ckpt.start_run(acc, recipe, {"target_fingerprint": target_fingerprint(run.target),
@@ -522,9 +570,11 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
         bar.close()
         preempt.restore()
     wall = time.perf_counter() - t0
-    if run.state["best_sim_tau"] is None and run.stop_signal is None and acc.is_main_process:
-        ckpt.save_best(acc.unwrap_model(run.model).drafter, run.out,
-                       {"step": run.state["step"], "criterion": "final weights (no held-out split to choose by)"})
+    if run.state["best_sim_tau"] is None and run.stop_signal is None:
+        with full_drafter(run):
+            if acc.is_main_process:
+                ckpt.save_best(acc.unwrap_model(run.model).drafter, run.out,
+                               {"step": run.state["step"], "criterion": "final weights (no held-out split)"})
     summary = {"step": run.state["step"], "total_steps": run.total, "steps_this_run": run.state["step"] - start,
                "wall_s": wall, "interrupted_by": run.stop_signal, "checkpoint": str(saved_at) if saved_at else None,
                "best_sim_tau_proxy": run.state["best_sim_tau"], "best_step": run.state["best_step"],

@@ -36,7 +36,7 @@ def _weights(run_dir):
 @pytest.mark.parametrize("drafter", ["eagle3", "fake-dropout"])
 def test_sigterm_then_resume_is_bitwise_identical(tmp_path, drafter, fake):  # noqa: F811
     if drafter == "eagle3":
-        T.DRAFTERS["eagle3"] = T._eagle3  # the real head (the fixture's monkeypatch restores it afterwards)
+        T.DRAFTERS["eagle3"] = T._lazy_class("spectrain.drafters.eagle3", "Eagle3Drafter")  # the real head (the fixture's monkeypatch restores it afterwards)
     else:
         fake.dropout = 0.3  # consumes the global torch RNG: exactness needs the RNG states restored
     # 20 rows / global batch 4 = 5 steps per epoch, so 9 steps cross an epoch boundary (reshuffle)
@@ -88,11 +88,11 @@ def test_atomic_checkpoint_leaves_no_partial_dir(tmp_path, fake, monkeypatch):  
     real = ckpt.save_checkpoint
     calls = []
 
-    def crash_second(acc, drafter, out, state, keep):
+    def crash_second(acc, drafter, out, state, keep, **kw):
         calls.append(state["step"])
         if len(calls) == 2:
             drafter.save_pretrained = None  # makes the write fail half-way (after accelerate's state)
-        return real(acc, drafter, out, state, keep)
+        return real(acc, drafter, out, state, keep, **kw)
 
     monkeypatch.setattr(ckpt, "save_checkpoint", crash_second)
     with pytest.raises(TypeError):
