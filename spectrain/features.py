@@ -397,8 +397,9 @@ def _process_group():
     if world == 1:
         return 0, 1, None, lambda: None
     from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
 
-    state = PartialState()
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as Accelerator reads it
     if state.num_processes != world:
         raise ValueError(f"the launcher started {world} processes (WORLD_SIZE) but they formed a group of "
                          f"{state.num_processes}; on CPU set ACCELERATE_USE_CPU=1")

@@ -184,8 +184,9 @@ def _full_shape(w: torch.Tensor) -> tuple:
 def gathered(params) -> contextlib.AbstractContextManager:
     """Inside the block, ZeRO-3-partitioned parameters hold their full values (collective: every rank must
     enter). A no-op for ordinary parameters."""
-    params = list(params)
-    if any(hasattr(p, "ds_shape") for p in params):
+    # Only the ones not already whole: DeepSpeed refuses nested gathers of the same parameter.
+    params = [p for p in params if hasattr(p, "ds_shape") and p.data.numel() != p.ds_numel]
+    if params:
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(params)

@@ -348,6 +348,9 @@ def worker_train(out: Path, recipe_path: str, overrides: list[str]) -> int:
         train, held = original_make_sources(*a, **kw)
         recording_get.train_src = train
         identity.update(_identity())  # now, while the process group is alive (end_training tears it down)
+        params = list(a[1].model.parameters())  # the frozen target: how much of it does this rank hold?
+        identity["target_params_here"] = sum(p.data.numel() for p in params)
+        identity["target_params"] = sum(getattr(p, "ds_numel", p.numel()) for p in params)
         return train, held
 
     T.OnlineSource.get = recording_get
