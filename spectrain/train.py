@@ -24,7 +24,6 @@ A drafter family is a class with ``from_recipe(recipe, target, token_counts)``, 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 import warnings
@@ -35,7 +34,9 @@ import torch
 from torch import nn
 
 from spectrain import checkpoint as ckpt
-from spectrain.target import gathered, load_target
+from spectrain.engine import load_target_for, make_accelerator, resolve_precision, shard_target, zero3  # noqa: F401
+from spectrain.sources import OnlineSource, make_sources  # noqa: F401  (re-exported for scripts and tests)
+from spectrain.target import gathered
 
 
 def _lazy_class(module: str, name: str) -> Callable[[], type]:
@@ -82,19 +83,6 @@ class _LossModule(nn.Module):
 
 
 # ---- small pure pieces --------------------------------------------------------------------------
-
-
-def resolve_precision(precision: str) -> str:
-    """Recipe precision -> accelerate mixed_precision. auto: bf16 on CUDA with bf16 support, else fp32."""
-    cuda = torch.cuda.is_available()
-    if precision == "auto":
-        return "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
-    if precision == "fp32":
-        return "no"
-    if precision == "fp16" and not cuda:
-        raise ValueError("training.precision=fp16 needs a CUDA device (CPU autocast is bf16 only); "
-                         "use precision=fp32 (or auto) on CPU")
-    return precision
 
 
 def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
@@ -146,64 +134,6 @@ def aggregate(parts: list[tuple[dict, float]]) -> dict:
 # ---- setup ------------------------------------------------------------------------------------------
 
 
-def make_accelerator(recipe):
-    from accelerate import Accelerator
-
-    # From the launcher's environment: building PartialState here would freeze its device choice
-    # before Accelerator reads ACCELERATE_USE_CPU.
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    trackers = [t for t in recipe.tracking.report_to if t in ("wandb", "tensorboard")]
-    for t in trackers:
-        import importlib.util
-
-        if importlib.util.find_spec(t) is None:
-            raise ValueError(f"tracking.report_to includes {t} but {t} is not installed: "
-                             f"pip install 'spectrain[{t}]' (or drop it from tracking.report_to)")
-    handlers = []
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not torch.cuda.is_available():
-        from accelerate.utils import InitProcessGroupKwargs
-
-        # DeepSpeed's CPU accelerator forms a gloo group, but accelerate finds no device backend and
-        # would report world size 1 unless told the backend.
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    acc = Accelerator(
-        kwargs_handlers=handlers,
-        mixed_precision=resolve_precision(recipe.training.precision),
-        gradient_accumulation_steps=recipe.training.grad_accum(world),
-        log_with=trackers or None,
-        project_dir=recipe.output_dir,
-        step_scheduler_with_optimizer=False,  # the schedule is per optimizer step; we step it ourselves
-    )
-    if acc.num_processes != world:
-        # e.g. torchrun on a CPU machine without ACCELERATE_USE_CPU=1: every process would believe it is
-        # alone, train on all the data and overwrite the others' checkpoints.
-        raise ValueError(f"the launcher started {world} processes (WORLD_SIZE) but accelerate formed a group of "
-                         f"{acc.num_processes} ({acc.distributed_type}); on CPU set ACCELERATE_USE_CPU=1, or "
-                         "launch with a matching recipes/accelerate config")
-    _fill_deepspeed_config(acc, recipe.training)
-    return acc
-
-
-def _fill_deepspeed_config(acc, t) -> None:
-    """DeepSpeed reads batch sizes and clipping from its own config; fill its "auto" values from the recipe
-    (the loop has no DataLoader for accelerate to infer them from) and refuse contradicting ones."""
-    plugin = getattr(acc.state, "deepspeed_plugin", None)
-    if plugin is None:
-        return
-    cfg = plugin.deepspeed_config
-    want = {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps":
-            acc.gradient_accumulation_steps, "train_batch_size": t.global_batch_size}
-    for key, value in want.items():
-        if cfg.get(key, "auto") == "auto":
-            cfg[key] = value
-        elif int(cfg[key]) != value:
-            raise ValueError(f"the DeepSpeed config sets {key}={cfg[key]} but the recipe implies {value} "
-                             f"(global_batch_size={t.global_batch_size}, micro_batch_size={t.micro_batch_size}, "
-                             f"{acc.num_processes} processes); set it to \"auto\" in the DeepSpeed config")
-    if cfg.get("gradient_clipping", "auto") == "auto":
-        cfg["gradient_clipping"] = t.grad_clip
-
-
 def build_optimizer(recipe, drafter: nn.Module, target) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
     params = [p for p in drafter.parameters() if p.requires_grad]
     if not params:
@@ -218,86 +148,6 @@ def build_optimizer(recipe, drafter: nn.Module, target) -> tuple[torch.optim.Opt
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=(0.9, 0.95), eps=1e-8)
     return opt, params
-
-
-class OnlineSource:
-    """Tokenised rows + the frozen target: features are computed inside the step, without grad."""
-
-    def __init__(self, rows, target, pad_id: int, device):
-        self.rows, self.target, self.pad_id, self.device = rows, target, pad_id, device
-        self.spec: dict = {}
-        lengths = getattr(rows, "lengths", None)
-        self.lengths = lengths.tolist() if lengths is not None else [len(r["input_ids"]) for r in rows]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def bind(self, spec: dict) -> None:
-        self.spec = spec
-
-    def get(self, indices: list[int]) -> tuple[dict, dict]:
-        from spectrain.data import collate
-
-        batch = {k: v.to(self.device) for k, v in collate([self.rows[i] for i in indices], self.pad_id).items()}
-        s = self.spec
-        out = self.target.forward(batch["input_ids"], batch["attention_mask"], aux_layers=s.get("aux_layers", ()),
-                                  want_last_hidden=s.get("want_last_hidden", False),
-                                  want_final_hidden=s.get("want_final_hidden", False), want_logits=False)
-        feats = {}
-        if out.aux_hidden:
-            feats["aux"] = torch.cat(out.aux_hidden, -1)
-        if out.last_hidden is not None:
-            feats["last_hidden"] = out.last_hidden
-        if s.get("want_final_hidden"):
-            feats["final_hidden"] = out.final_hidden
-        return batch, feats
-
-
-def make_sources(recipe, target, train_rows, heldout_rows, device):
-    """(train, heldout) sources with the same interface: len, lengths, bind(spec), get(indices)."""
-    if recipe.training.features == "offline":
-        from spectrain.features import FeatureCache
-
-        path = recipe.training.feature_cache
-        if not path:
-            raise ValueError("training.features=offline needs training.feature_cache (the directory written by "
-                             "`spectrain prepare-features RECIPE`)")
-        train = FeatureCache(path, target, recipe, "train", device=device)
-        held = FeatureCache(path, target, recipe, "heldout", device=device) \
-            if "heldout" in train.manifest["splits"] else None
-        return train, held
-    from spectrain.features import _pad_id
-
-    pad = _pad_id(target)
-    held = OnlineSource(heldout_rows, target, pad, device) if heldout_rows is not None and len(heldout_rows) else None
-    return OnlineSource(train_rows, target, pad, device), held
-
-
-def zero3(acc) -> bool:
-    plugin = getattr(acc.state, "deepspeed_plugin", None)
-    return plugin is not None and plugin.zero_stage == 3
-
-
-def _load_target(recipe, acc):
-    tc = recipe.target
-    if tc.device_map and acc.num_processes > 1:
-        raise ValueError(f"target.device_map={tc.device_map!r} spreads one target over every visible GPU, but "
-                         f"{acc.num_processes} processes were launched: train from offline features "
-                         "(`spectrain prepare-features` with device_map, then training.features=offline) or "
-                         "shard the target with ZeRO-3 (recipes/accelerate/zero3.yaml)")
-    return load_target(tc.name_or_path, dtype=tc.dtype, device=None if tc.device_map else acc.device,
-                       device_map=tc.device_map or None, trust_remote_code=tc.trust_remote_code)
-
-
-def _shard_target(target) -> None:
-    """ZeRO-3: the frozen target becomes a DeepSpeed inference engine, so each rank keeps 1/N of its weights
-    and every layer is gathered on the fly (its hooks fire on target.model's own submodules, so FrozenTarget's
-    forward, feature taps, embed() and logits_from_last_hidden() work unchanged). No optimizer: not trained."""
-    import deepspeed
-
-    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
-    engine, *_ = deepspeed.initialize(model=target.model, config=cfg)
-    target.zero3_engine = engine  # keep it alive: it owns the gather hooks
 
 
 def full_drafter(run):
@@ -323,9 +173,9 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
         torch.set_flush_denormal(True)  # tiny Adam/grad values as denormals make CPU kernels crawl
     set_seed(t.seed)
     if target is None:
-        target = _load_target(recipe, acc)
+        target = load_target_for(recipe, acc)
     if zero3(acc):
-        _shard_target(target)
+        shard_target(target)
     if train_rows is None and t.features == "online":
         with acc.main_process_first():  # rank 0 tokenises and caches; the others read the cache
             train_rows = build_dataset(recipe.data, target.tokenizer, "train", verbose=acc.is_main_process)

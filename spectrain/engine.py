@@ -1,0 +1,108 @@
+"""The distributed side of training: the accelerate ``Accelerator`` (DDP / FSDP / DeepSpeed, CPU or GPU)
+and the frozen target placed to match it (one device, an HF device map, or ZeRO-3 partitions)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from spectrain.target import load_target
+
+
+def resolve_precision(precision: str) -> str:
+    """Recipe precision -> accelerate mixed_precision. auto: bf16 on CUDA with bf16 support, else fp32."""
+    cuda = torch.cuda.is_available()
+    if precision == "auto":
+        return "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
+    if precision == "fp32":
+        return "no"
+    if precision == "fp16" and not cuda:
+        raise ValueError("training.precision=fp16 needs a CUDA device (CPU autocast is bf16 only); "
+                         "use precision=fp32 (or auto) on CPU")
+    return precision
+
+
+def make_accelerator(recipe):
+    from accelerate import Accelerator
+
+    # From the launcher's environment: building PartialState here would freeze its device choice
+    # before Accelerator reads ACCELERATE_USE_CPU.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trackers = [t for t in recipe.tracking.report_to if t in ("wandb", "tensorboard")]
+    for t in trackers:
+        import importlib.util
+
+        if importlib.util.find_spec(t) is None:
+            raise ValueError(f"tracking.report_to includes {t} but {t} is not installed: "
+                             f"pip install 'spectrain[{t}]' (or drop it from tracking.report_to)")
+    handlers = []
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not torch.cuda.is_available():
+        from accelerate.utils import InitProcessGroupKwargs
+
+        # DeepSpeed's CPU accelerator forms a gloo group, but accelerate finds no device backend and
+        # would report world size 1 unless told the backend.
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    acc = Accelerator(
+        kwargs_handlers=handlers,
+        mixed_precision=resolve_precision(recipe.training.precision),
+        gradient_accumulation_steps=recipe.training.grad_accum(world),
+        log_with=trackers or None,
+        project_dir=recipe.output_dir,
+        step_scheduler_with_optimizer=False,  # the schedule is per optimizer step; we step it ourselves
+    )
+    if acc.num_processes != world:
+        # e.g. torchrun on a CPU machine without ACCELERATE_USE_CPU=1: every process would believe it is
+        # alone, train on all the data and overwrite the others' checkpoints.
+        raise ValueError(f"the launcher started {world} processes (WORLD_SIZE) but accelerate formed a group of "
+                         f"{acc.num_processes} ({acc.distributed_type}); on CPU set ACCELERATE_USE_CPU=1, or "
+                         "launch with a matching recipes/accelerate config")
+    _fill_deepspeed_config(acc, recipe.training)
+    return acc
+
+
+def _fill_deepspeed_config(acc, t) -> None:
+    """DeepSpeed reads batch sizes and clipping from its own config; fill its "auto" values from the recipe
+    (the loop has no DataLoader for accelerate to infer them from) and refuse contradicting ones."""
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    cfg = plugin.deepspeed_config
+    want = {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps":
+            acc.gradient_accumulation_steps, "train_batch_size": t.global_batch_size}
+    for key, value in want.items():
+        if cfg.get(key, "auto") == "auto":
+            cfg[key] = value
+        elif int(cfg[key]) != value:
+            raise ValueError(f"the DeepSpeed config sets {key}={cfg[key]} but the recipe implies {value} "
+                             f"(global_batch_size={t.global_batch_size}, micro_batch_size={t.micro_batch_size}, "
+                             f"{acc.num_processes} processes); set it to \"auto\" in the DeepSpeed config")
+    if cfg.get("gradient_clipping", "auto") == "auto":
+        cfg["gradient_clipping"] = t.grad_clip
+
+
+def zero3(acc) -> bool:
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def load_target_for(recipe, acc):
+    tc = recipe.target
+    if tc.device_map and acc.num_processes > 1:
+        raise ValueError(f"target.device_map={tc.device_map!r} spreads one target over every visible GPU, but "
+                         f"{acc.num_processes} processes were launched: train from offline features "
+                         "(`spectrain prepare-features` with device_map, then training.features=offline) or "
+                         "shard the target with ZeRO-3 (recipes/accelerate/zero3.yaml)")
+    return load_target(tc.name_or_path, dtype=tc.dtype, device=None if tc.device_map else acc.device,
+                       device_map=tc.device_map or None, trust_remote_code=tc.trust_remote_code)
+
+
+def shard_target(target) -> None:
+    """ZeRO-3: the frozen target becomes a DeepSpeed inference engine, so each rank keeps 1/N of its weights
+    and every layer is gathered on the fly (its hooks fire on target.model's own submodules, so FrozenTarget's
+    forward, feature taps, embed() and logits_from_last_hidden() work unchanged). No optimizer: not trained."""
+    import deepspeed
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=target.model, config=cfg)
+    target.zero3_engine = engine  # keep it alive: it owns the gather hooks

@@ -1,0 +1,60 @@
+"""Where a training batch's target features come from: the frozen target run inside the step (online),
+or the offline cache written by ``spectrain prepare-features`` (spectrain.features.FeatureCache). Both
+serve ``len``, ``lengths``, ``bind(feature_spec)`` and ``get(indices) -> (batch, feats)``."""
+
+from __future__ import annotations
+
+import torch
+
+
+class OnlineSource:
+    """Tokenised rows + the frozen target: features are computed inside the step, without grad."""
+
+    def __init__(self, rows, target, pad_id: int, device):
+        self.rows, self.target, self.pad_id, self.device = rows, target, pad_id, device
+        self.spec: dict = {}
+        lengths = getattr(rows, "lengths", None)
+        self.lengths = lengths.tolist() if lengths is not None else [len(r["input_ids"]) for r in rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def bind(self, spec: dict) -> None:
+        self.spec = spec
+
+    def get(self, indices: list[int]) -> tuple[dict, dict]:
+        from spectrain.data import collate
+
+        batch = {k: v.to(self.device) for k, v in collate([self.rows[i] for i in indices], self.pad_id).items()}
+        s = self.spec
+        out = self.target.forward(batch["input_ids"], batch["attention_mask"], aux_layers=s.get("aux_layers", ()),
+                                  want_last_hidden=s.get("want_last_hidden", False),
+                                  want_final_hidden=s.get("want_final_hidden", False), want_logits=False)
+        feats = {}
+        if out.aux_hidden:
+            feats["aux"] = torch.cat(out.aux_hidden, -1)
+        if out.last_hidden is not None:
+            feats["last_hidden"] = out.last_hidden
+        if s.get("want_final_hidden"):
+            feats["final_hidden"] = out.final_hidden
+        return batch, feats
+
+
+def make_sources(recipe, target, train_rows, heldout_rows, device):
+    """(train, heldout) sources with the same interface: len, lengths, bind(spec), get(indices)."""
+    if recipe.training.features == "offline":
+        from spectrain.features import FeatureCache
+
+        path = recipe.training.feature_cache
+        if not path:
+            raise ValueError("training.features=offline needs training.feature_cache (the directory written by "
+                             "`spectrain prepare-features RECIPE`)")
+        train = FeatureCache(path, target, recipe, "train", device=device)
+        held = FeatureCache(path, target, recipe, "heldout", device=device) \
+            if "heldout" in train.manifest["splits"] else None
+        return train, held
+    from spectrain.features import _pad_id
+
+    pad = _pad_id(target)
+    held = OnlineSource(heldout_rows, target, pad, device) if heldout_rows is not None and len(heldout_rows) else None
+    return OnlineSource(train_rows, target, pad, device), held
