@@ -17,7 +17,6 @@ saved by the engine that owns them, not by home-made code.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -177,10 +176,18 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def save_drafter_dir(drafter, path: Path, state_dict: dict | None = None) -> None:
+    """``drafter.save_pretrained``; ``state_dict`` = the full weights when the module holds only a shard."""
+    if state_dict is None:
+        drafter.save_pretrained(str(path))
+    else:
+        drafter.save_pretrained(str(path), state_dict=state_dict)
+
+
 def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: int,
-                    full_weights=contextlib.nullcontext) -> Path:
+                    state_dict: dict | None = None) -> Path:
     """Collective (every rank calls it). Writes step-N atomically, repoints `last`, prunes old ones.
-    ``full_weights()``: a context (entered on every rank) in which the drafter's weights are whole (ZeRO-3)."""
+    ``state_dict``: the drafter's gathered weights when ZeRO-3 / FSDP shard it (see save_drafter_dir)."""
     step = int(state["step"])
     final = output_dir / f"step-{step}"
     tmp = output_dir / f".tmp-step-{step}"  # same name on every rank: they share the directory
@@ -190,10 +197,8 @@ def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: i
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / ENGINE_DIR))
     accelerator.wait_for_everyone()  # other ranks may still be writing RNG state / ZeRO shards into tmp
-    with full_weights():
-        if accelerator.is_main_process:
-            drafter.save_pretrained(str(tmp))
     if accelerator.is_main_process:
+        save_drafter_dir(drafter, tmp, state_dict)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         if final.exists():  # a re-run of the same step (e.g. resumed then preempted again)
             shutil.rmtree(final)
@@ -224,14 +229,14 @@ def prune_checkpoints(output_dir: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def save_best(drafter, output_dir: Path, info: dict) -> Path:
+def save_best(drafter, output_dir: Path, info: dict, state_dict: dict | None = None) -> Path:
     """Main process only: best/ = loadable drafter weights + best.json, swapped in atomically."""
     best = output_dir / "best"
     tmp = output_dir / ".tmp-best"
     old = output_dir / ".old-best"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    drafter.save_pretrained(str(tmp))
+    save_drafter_dir(drafter, tmp, state_dict)
     (tmp / "best.json").write_text(json.dumps(info, indent=2))
     shutil.rmtree(old, ignore_errors=True)
     if best.exists():

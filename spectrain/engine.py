@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from spectrain.target import load_target
+from spectrain.target import gathered, load_target
 
 
 def resolve_precision(precision: str) -> str:
@@ -106,3 +106,36 @@ def shard_target(target) -> None:
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
     engine, *_ = deepspeed.initialize(model=target.model, config=cfg)
     target.zero3_engine = engine  # keep it alive: it owns the gather hooks
+
+
+def shard_target_fsdp(target, device_type: str) -> None:
+    """FSDP: shard the frozen target with FSDP2 as well, one unit per decoder layer plus the embeddings,
+    final norm and lm_head (tied ones in one unit), so each rank keeps 1/N of it and FrozenTarget's
+    direct calls (embed, norm + lm_head) gather exactly the weights they use. No optimizer sees it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    for layer in target.layers:
+        fully_shard(layer, mesh=mesh)
+    tied = target.lm_head.weight is target.embed_tokens.weight
+    fully_shard([target.embed_tokens, target.lm_head] if tied else target.embed_tokens, mesh=mesh)
+    if not tied:
+        fully_shard(target.lm_head, mesh=mesh)
+    fully_shard(target.norm, mesh=mesh)
+    fully_shard(target.model, mesh=mesh)  # whatever is left (e.g. extra norms of some architectures)
+
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """True when ZeRO-3 (ds_shape) or FSDP2 (DTensor) holds only a shard of the module's weights here."""
+    return any(hasattr(p, "ds_shape") or hasattr(p, "full_tensor") for p in module.parameters())
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's complete weights on the CPU, gathered from ZeRO-3 / FSDP2 shards (collective: every
+    rank calls it and gets the whole dict; drafters are small enough for that)."""
+    with gathered(module.parameters()):
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+                for k, v in module.state_dict().items()}

@@ -57,7 +57,9 @@ def target_fingerprint(target) -> str:
     h = hashlib.sha256(json.dumps([target.num_layers, target.hidden_size, target.vocab_size]).encode())
     weights = (target.norm.weight, target.lm_head.weight, target.embed_tokens.weight)
     with gathered(weights):  # ZeRO-3 keeps only a slice of each weight on a rank
-        for w in (weights[0], weights[1][:64], weights[2][:64]):
+        # FSDP2 keeps DTensor shards; the fingerprint is over the full values
+        full = [w.full_tensor() if hasattr(w, "full_tensor") else w for w in weights]
+        for w in (full[0], full[1][:64], full[2][:64]):
             h.update(w.detach().to(torch.bfloat16).float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:32]
 

@@ -18,7 +18,8 @@ restore the data position exactly. The trailing partial global batch of an epoch
 
 A drafter family is a class with ``from_recipe(recipe, target, token_counts)``, ``feature_spec()``,
 ``train_loss(batch, feats, target) -> (loss, metrics)`` (metrics with ``acc_i`` per step and
-``sim_tau``) and ``save_pretrained(path)``; register it in ``DRAFTERS``.
+``sim_tau``) and ``save_pretrained(path, state_dict=None)`` (state_dict: the full weights, gathered by
+the loop when ZeRO-3 / FSDP shard the module); register it in ``DRAFTERS``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,16 @@ import torch
 from torch import nn
 
 from spectrain import checkpoint as ckpt
-from spectrain.engine import load_target_for, make_accelerator, resolve_precision, shard_target, zero3  # noqa: F401
+from spectrain.engine import (  # noqa: F401  (resolve_precision: re-exported)
+    full_state_dict,
+    is_sharded,
+    load_target_for,
+    make_accelerator,
+    resolve_precision,
+    shard_target,
+    shard_target_fsdp,
+    zero3,
+)
 from spectrain.sources import OnlineSource, make_sources  # noqa: F401  (re-exported for scripts and tests)
 from spectrain.target import gathered
 
@@ -150,9 +160,14 @@ def build_optimizer(recipe, drafter: nn.Module, target) -> tuple[torch.optim.Opt
     return opt, params
 
 
-def full_drafter(run):
-    """Context in which the drafter's weights are whole (ZeRO-3 shards them); collective, every rank enters."""
-    return gathered(run.acc.unwrap_model(run.model).drafter.parameters())
+def save_drafter(run, write: Callable[[nn.Module, dict | None], None]) -> None:
+    """Collective (every rank calls it): under ZeRO-3 / FSDP the drafter's weights are sharded, so every
+    rank takes part in gathering them; the main process then writes ``write(drafter, state_dict)``
+    (state_dict None = unsharded: save from the module itself)."""
+    drafter = run.acc.unwrap_model(run.model).drafter
+    sd = full_state_dict(drafter) if is_sharded(drafter) else None
+    if run.acc.is_main_process:
+        write(drafter, sd)
 
 
 class Run:
@@ -187,6 +202,10 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
     set_seed(t.seed)  # the drafter init must not depend on how much RNG the data loading used
     with gathered([p for m in (target.embed_tokens, target.lm_head, target.norm) for p in m.parameters()]):
         drafter = cls.from_recipe(recipe, target, counts).to(acc.device)  # (Medusa copies the lm_head)
+    from accelerate.utils import DistributedType
+
+    if acc.distributed_type == DistributedType.FSDP:
+        shard_target_fsdp(target, acc.device.type)  # after the drafter copied what it needs
     drafter.train()
     for src in (train_src, held_src):
         if src is not None:
@@ -349,19 +368,19 @@ def maybe_best(run, ev: dict | None) -> None:
     best = run.state["best_sim_tau"]
     if best is None or tau > best:
         run.state["best_sim_tau"], run.state["best_step"] = tau, run.state["step"]
-        with full_drafter(run):
-            if run.acc.is_main_process:
-                info = {"step": run.state["step"], "sim_tau_proxy": tau,
-                        "criterion": "held-out simulated tau (greedy teacher-forced proxy, +1 bonus)",
-                        **{k: v for k, v in ev.items() if k.startswith("eval/")}}
-                ckpt.save_best(run.acc.unwrap_model(run.model).drafter, run.out, info)
+        info = {"step": run.state["step"], "sim_tau_proxy": tau,
+                "criterion": "held-out simulated tau (greedy teacher-forced proxy, +1 bonus)",
+                **{k: v for k, v in ev.items() if k.startswith("eval/")}}
+        save_drafter(run, lambda d, sd: ckpt.save_best(d, run.out, info, sd))
 
 
 def save(run) -> Path:
     state = dict(run.state, recipe_hash=ckpt.recipe_hash(run.recipe.to_dict()),
                  world_size=run.acc.num_processes, total_steps=run.total)
-    return ckpt.save_checkpoint(run.acc, run.acc.unwrap_model(run.model).drafter, run.out, state,
-                                run.recipe.training.keep_checkpoints, full_weights=lambda: full_drafter(run))
+    drafter = run.acc.unwrap_model(run.model).drafter
+    sd = full_state_dict(drafter) if is_sharded(drafter) else None  # collective
+    return ckpt.save_checkpoint(run.acc, drafter, run.out, state, run.recipe.training.keep_checkpoints,
+                                state_dict=sd)
 
 
 # ---- the loop ----------------------------------------------------------------------------------------
@@ -378,9 +397,8 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
     if saved is not None:
         run.state = {k: saved[k] for k in run.state}
     else:
-        with full_drafter(run):
-            if acc.is_main_process:  # the untrained head: the baseline a report compares the trained one against
-                run.drafter.save_pretrained(str(run.out / "init"))
+        # the untrained head: the baseline a report compares the trained one against
+        save_drafter(run, lambda d, sd: ckpt.save_drafter_dir(d, run.out / "init", sd))
     from spectrain.features import target_fingerprint
 
     ckpt.start_run(acc, recipe, {"target_fingerprint": target_fingerprint(run.target),
@@ -421,10 +439,8 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
         preempt.restore()
     wall = time.perf_counter() - t0
     if run.state["best_sim_tau"] is None and run.stop_signal is None:
-        with full_drafter(run):
-            if acc.is_main_process:
-                ckpt.save_best(acc.unwrap_model(run.model).drafter, run.out,
-                               {"step": run.state["step"], "criterion": "final weights (no held-out split)"})
+        info = {"step": run.state["step"], "criterion": "final weights (no held-out split to choose by)"}
+        save_drafter(run, lambda d, sd: ckpt.save_best(d, run.out, info, sd))
     summary = {"step": run.state["step"], "total_steps": run.total, "steps_this_run": run.state["step"] - start,
                "wall_s": wall, "interrupted_by": run.stop_signal, "checkpoint": str(saved_at) if saved_at else None,
                "best_sim_tau_proxy": run.state["best_sim_tau"], "best_step": run.state["best_step"],

@@ -6,6 +6,9 @@
 - DeepSpeed ZeRO-3 (recipes/accelerate/zero3.yaml with CPU settings): the frozen target is
   partitioned (each rank holds part of it) and the trained drafter equals the 1-process run.
 - A single process can spread the target with ``target.device_map`` (here: all on the CPU).
+- FSDP: the loop shards the frozen target with FSDP2 too (``engine.shard_target_fsdp``). accelerate runs
+  FSDP only on GPUs, so here the sharding function runs alone on 2 gloo ranks (this file's worker):
+  features, embeddings, teacher logits and the target fingerprint equal an unsharded copy's.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -133,3 +137,65 @@ def test_device_map_on_one_process_gives_the_same_cache(assets, caches):
     bad = _spectrain(["prepare-features", str(recipe), f"training.feature_cache={root / 'x'}",
                       "target.device_map=auto"], nproc=2)
     assert bad.returncode != 0 and "device_map" in bad.stderr
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fsdp2_sharded_target_gives_the_same_features(tmp_path, tied):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(free_port()), __file__, str(tmp_path), str(int(tied))],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    check_ok(proc)
+    recs = [json.loads((tmp_path / f"fsdp{r}.json").read_text()) for r in (0, 1)]
+    for r in recs:
+        assert r["max_diff"] == 0.0 and r["fingerprint_equal"] and r["head_sharded"] and r["same_keys"], r
+        assert r["local_params"] * 2 <= r["full_params"] + 64, r  # about half of the target on each rank
+
+
+def _fsdp_worker(out: str, tied: bool) -> int:
+    """torchrun worker: shard a tiny target with the loop's function and compare with an unsharded copy."""
+    import torch
+    import torch.distributed as dist
+    from conftest import make_tiny_target
+
+    from spectrain.engine import shard_target_fsdp
+    from spectrain.features import target_fingerprint
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    ref, t = make_tiny_target("llama", tied=tied), make_tiny_target("llama", tied=tied)
+    shard_target_fsdp(t, "cpu")
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    kw = dict(aux_layers=[1, 4, 6], want_last_hidden=True, want_final_hidden=True)
+    a, b = ref.forward(ids, torch.ones_like(ids), **kw), t.forward(ids, torch.ones_like(ids), **kw)
+    pairs = [(a.logits, b.logits), (a.final_hidden, b.final_hidden), *zip(a.aux_hidden, b.aux_hidden),
+             (ref.embed(ids), t.embed(ids)),
+             (ref.logits_from_last_hidden(a.last_hidden), t.logits_from_last_hidden(b.last_hidden))]
+    # the drafter under FSDP2: the loop saves it from full_state_dict (every rank gathers)
+    from test_eagle3 import make_head
+
+    from spectrain.engine import full_state_dict, is_sharded
+
+    head = make_head(ref)
+    want = {k: v.clone() for k, v in head.state_dict().items()}
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(head, mesh=init_device_mesh("cpu", (2,)))
+    got = full_state_dict(head)
+    pairs += [(want[k].float(), got[k].float()) for k in want]
+    rec = {"max_diff": max(float((x - y).abs().max()) for x, y in pairs), "head_sharded": is_sharded(head),
+           "same_keys": sorted(want) == sorted(got),
+           "fingerprint_equal": target_fingerprint(ref) == target_fingerprint(t),
+           "local_params": sum(p.to_local().numel() for p in t.model.parameters()),
+           "full_params": sum(p.numel() for p in ref.model.parameters()), "sizes": [t.hidden_size, t.vocab_size]}
+    (Path(out) / f"fsdp{dist.get_rank()}.json").write_text(json.dumps(rec))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_fsdp_worker(sys.argv[1], sys.argv[2] == "1"))

@@ -309,10 +309,11 @@ class Eagle3Drafter(nn.Module):
         return total, metrics
 
     # ---- persistence -------------------------------------------------------------------------
-    def save_pretrained(self, path) -> None:
+    def save_pretrained(self, path, state_dict: dict | None = None) -> None:
+        """``state_dict``: full weights gathered by the loop when ZeRO-3 / FSDP shard this module."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
         save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "kind": "eagle3"})
         (path / CONFIG_NAME).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
 
