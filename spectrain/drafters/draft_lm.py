@@ -11,13 +11,27 @@ range (and the sizes) and refuses with the first mismatching ids.
 
 Trees (``tree={"topk": m}``): deterministic top-m children of the root, each extended greedily
 (a chain per branch), so q = one-hot and sampling stays exact.
+
+Training (``DraftStudent``, ``drafter.kind: draft``): the same HF model distilled from the frozen
+target in spectrain.train's loop; see the class docstring. Its run directories are plain HF model
+directories plus ``drafter_config.json``, so ``DraftLMDrafter.from_pretrained`` loads them.
 """
 
 from __future__ import annotations
 
+import copy
+import json
+import re
+import warnings
+from pathlib import Path
+
 import torch
+from torch import nn
 
 from spectrain.drafters.base import DraftContext, Drafter, Proposal
+
+CONFIG_NAME = "drafter_config.json"
+SIM_K = 5  # chain length the simulated-tau proxy assumes (the eval's default k)
 
 
 def check_vocab(target, draft_model, draft_tokenizer) -> None:
@@ -69,6 +83,7 @@ class DraftLMDrafter(Drafter):
     def from_pretrained(cls, path: str, target, dtype=None, trust_remote_code: bool = False) -> DraftLMDrafter:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        _warn_if_other_target(path, target)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or target.dtype,
                                                      trust_remote_code=trust_remote_code).to(target.device)
         try:
@@ -158,3 +173,218 @@ class DraftLMDrafter(Drafter):
         # Chains: the cache holds the committed tokens + drafts[:k-1]; drop the rejected drafts now.
         # Trees were cropped back to the committed prefix in propose; _sync feeds the accepted path.
         self._crop(self._base + len(accepted))
+
+
+def _warn_if_other_target(path, target) -> None:
+    """A trained draft records the target it was distilled from. Another target with the same vocabulary
+    still decodes losslessly, only with low acceptance, so this warns instead of refusing."""
+    cfg_file = Path(path) / CONFIG_NAME
+    if not cfg_file.is_file():
+        return  # a plain HF model (hub id or directory): nothing recorded
+    from spectrain.features import target_fingerprint
+
+    want = json.loads(cfg_file.read_text()).get("target_fingerprint")
+    have = target_fingerprint(target)
+    if want and want != have:
+        warnings.warn(f"draft model at {path} was distilled from a target with other weights (fingerprint {want}, "
+                      f"this target {have}): decoding stays lossless but expect low acceptance; retrain it "
+                      "on this target", stacklevel=3)
+
+
+# ---- training: the draft model as a student of the frozen target --------------------------------
+
+
+def sliced_config(config, layers: list[int]):
+    """The target's config with only `layers` kept. Lists with one entry per layer (a key containing
+    "layer" whose list has num_hidden_layers entries: layer_types, no_rope_layers ...) are sliced
+    the same way, so sliding-window / full-attention choices stay with their weights."""
+    n = config.num_hidden_layers
+    d = config.to_dict()
+    for key, value in d.items():
+        if "layer" in key and isinstance(value, list) and len(value) == n:
+            d[key] = [value[i] for i in layers]
+    d["num_hidden_layers"] = len(layers)
+    return type(config).from_dict(d)
+
+
+def _layers_prefix(target) -> str:
+    for name, module in target.model.named_modules():
+        if module is target.layers:
+            return name
+    raise ValueError(f"cannot locate the decoder layers of {type(target.model).__name__} in its state dict")
+
+
+def layer_subset(target, layers: list[int]) -> nn.Module:
+    """A float32 copy of the target keeping only decoder `layers` (plus embeddings, final norm, lm_head).
+    Built from the target's own class and config; weights are copied, never shared."""
+    n = target.num_layers
+    bad = [i for i in layers if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"drafter.draft.init=layers:{','.join(map(str, layers))}: layer ids {bad} are out of "
+                         f"range; the target has {n} decoder layers (ids 0..{n - 1})")
+    if any(b <= a for a, b in zip(layers, layers[1:])):
+        raise ValueError(f"drafter.draft.init=layers:{','.join(map(str, layers))}: list the layer ids in "
+                         "increasing order without repeats (e.g. layers:0,7)")
+    from spectrain.target import gathered
+
+    prefix = _layers_prefix(target)
+    pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.(.+)$")
+    model = type(target.model)(sliced_config(target.config, layers)).float()
+    keep = [p for k, p in target.model.named_parameters() if (m := pattern.match(k)) is None or int(m[1]) in layers]
+    with gathered(keep):  # ZeRO-3 holds a slice of each target weight per rank; the copy needs them whole
+        state = {}
+        for key, value in target.model.state_dict().items():
+            m = pattern.match(key)
+            if m is None:
+                state[key] = value
+            elif int(m[1]) in layers:
+                state[f"{prefix}.{layers.index(int(m[1]))}.{m[2]}"] = value
+        missing, unexpected = model.load_state_dict(state, strict=False)  # copies: nothing is shared
+    if missing or unexpected:
+        raise ValueError(f"layer-subset copy of {type(target.model).__name__} does not line up with the target's "
+                         f"weights (missing {missing[:4]}, unexpected {unexpected[:4]})")
+    model.generation_config = copy.deepcopy(target.model.generation_config)  # saved with the draft
+    return model
+
+
+def _load_student(name: str, init: str, trust_remote_code: bool):
+    """init=pretrained: the weights at `name`; init=config: its architecture, randomly initialised."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        if init == "pretrained":
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32,
+                                                         trust_remote_code=trust_remote_code)
+        else:
+            cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise ValueError(f"drafter.draft.model={name!r} cannot be loaded for init={init} ({e}); give an HF hub "
+                         "id or a local model directory") from e
+    try:
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        tok = None  # check_vocab then compares sizes only
+    return model.float(), tok
+
+
+def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, n:] padded at the end with zeros / False back to length T."""
+    return torch.cat([x[:, n:], x.new_zeros(x.shape[0], min(n, x.shape[1]))], 1) if n else x
+
+
+def chain_metrics(valid: torch.Tensor, agree: torch.Tensor, accept: torch.Tensor, k: int = SIM_K) -> dict:
+    """Teacher-forced chain statistics. valid [B,T] bool; agree / accept = per valid position (in
+    valid[...] order) greedy agreement and sum_x min(p, q). A chain from anchor t of depth i+1
+    needs positions t..t+i; anything outside `valid` ends it."""
+    n = int(valid.sum())
+    g = torch.zeros(valid.shape, dtype=torch.bool, device=valid.device)
+    s = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+    g[valid], s[valid] = agree, accept.float()
+    run_g, run_s = g, s
+    out = {"tokens": float(n), "expected_acc": float(s.sum()) / max(n, 1)}
+    prev, tau, tau_t1 = n, 1.0, 1.0
+    for i in range(k):
+        if i:
+            run_g, run_s = run_g & _shift(g, i), run_s * _shift(s, i)
+        cnt = int(run_g.sum())
+        # conditional: prod_{j<=i} acc_j = P(greedy run >= i+1), which the loop's sim_tau multiplies out
+        out[f"acc_{i}"] = cnt / prev if prev else 0.0
+        prev = cnt
+        tau += cnt / max(n, 1)
+        tau_t1 += float(run_s.sum()) / max(n, 1)
+    out["sim_tau"], out["sim_tau_t1"] = tau, tau_t1
+    return out
+
+
+class DraftStudent(nn.Module):
+    """A separate HF causal LM distilled from the frozen target (DistillSpec), for spectrain.train.
+
+    Inits (drafter.draft.init): ``pretrained`` = the weights of drafter.draft.model (hub id or dir);
+    ``config`` = its architecture, random weights; ``layers:i,j,...`` = a copy of the target keeping
+    those decoder layers. The student trains in float32 (master weights; the loop's autocast handles
+    bf16), and must share the target's vocabulary (check_vocab).
+
+    Alignment: student and target see the same tokens; the student's logits at position t are pulled
+    toward the target's distribution at t (both predict token t+1) wherever token t+1 is an assistant
+    token (loss_mask[t+1], data.py convention) inside the attention mask. drafter.loss fkl / rkl / jsd /
+    tvd / soft_ce compare with the target's distribution; hard_ce is cross-entropy on the data's next
+    token (supervised fine-tuning; on target-regenerated data, sequence-level distillation).
+
+    Metrics, all teacher-forced along the data (the drafted chain conditions on the draft's own tokens,
+    so these are PROXIES of the decoded numbers):
+    - acc_0: student argmax == target argmax. acc_i (i < 5): of the anchors whose positions t..t+i-1
+      all agreed, the fraction that also agrees at t+i; so the loop's sim_tau = 1 + sum_i prod_j acc_j
+      = 1 + E[min(greedy run, 5)], exact for greedy decoding when the data is the target's greedy text.
+    - expected_acc: mean sum_x min(p, q) at T=1, the exact per-token acceptance probability of
+      speculative sampling at temperature 1 in that context.
+    - sim_tau_t1: 1 + sum_i mean_t prod_{j<=i} min-overlap(t+j), the same proxy at T=1.
+    """
+
+    kind = "draft"
+
+    def __init__(self, model: nn.Module, config: dict, tokenizer=None):
+        super().__init__()
+        self.model = model
+        self.config = dict(config)
+        self.tokenizer = tokenizer  # the target's, saved next to the weights
+
+    @classmethod
+    def from_recipe(cls, recipe, target, token_counts: torch.Tensor | None = None) -> DraftStudent:
+        from spectrain.features import target_fingerprint
+
+        d = recipe.drafter.draft
+        if d.init.startswith("layers:"):
+            layers = [int(x) for x in d.init.split(":", 1)[1].split(",")]
+            model, tok = layer_subset(target, layers), target.tokenizer
+        elif d.model:
+            model, tok = _load_student(d.model, d.init, recipe.target.trust_remote_code)
+        else:
+            raise ValueError(f"drafter.draft.init={d.init} needs drafter.draft.model (an HF id or directory)")
+        check_vocab(target, model, tok)
+        source = target.name_or_path if d.init.startswith("layers:") else d.model
+        cfg = {"kind": "draft", "init": d.init, "source": source,
+               "loss": recipe.drafter.loss, "target": target.name_or_path, "target_vocab_size": target.vocab_size,
+               "target_fingerprint": target_fingerprint(target), "sim_k": SIM_K}
+        return cls(model, cfg, tokenizer=target.tokenizer).to(target.device)
+
+    def feature_spec(self) -> dict:
+        return {"want_last_hidden": True}  # teacher logits = the target's norm + lm_head on it
+
+    def train_loss(self, batch: dict, feats: dict, target) -> tuple[torch.Tensor, dict[str, float]]:
+        ids, am, lm = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
+        valid = torch.zeros_like(am)
+        valid[:, :-1] = lm[:, 1:] & am[:, 1:] & am[:, :-1]
+        logits = self.model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False).logits
+        student = logits[valid]
+        with torch.no_grad():  # only the trained positions: [N, V] instead of [B, T, V]
+            teacher = target.logits_from_last_hidden(feats["last_hidden"][valid]).float()
+        v = min(student.shape[-1], teacher.shape[-1])  # rows past the shared tokenizer are padding
+        student, teacher = student[:, :v], teacher[:, :v]
+        ones = torch.ones(student.shape[0], dtype=torch.bool, device=student.device)
+        if self.config["loss"] == "hard_ce":
+            labels = ids[:, 1:][valid[:, :-1]]
+            nll = -torch.log_softmax(student.float(), -1).gather(-1, labels[:, None]).squeeze(-1)
+            loss = nll.sum() / max(int(labels.numel()), 1)
+        else:
+            from spectrain.losses import get_loss
+
+            loss = get_loss(self.config["loss"])(student, teacher, ones)
+        with torch.no_grad():
+            q, p = student.float().softmax(-1), teacher.softmax(-1)
+            metrics = chain_metrics(valid, student.argmax(-1) == teacher.argmax(-1),
+                                    torch.minimum(p, q).sum(-1), int(self.config.get("sim_k", SIM_K)))
+        metrics["loss"] = float(loss.detach())
+        return loss, metrics
+
+    def save_pretrained(self, path, state_dict: dict | None = None) -> None:
+        """A plain HF model directory (+ the target's tokenizer) with drafter_config.json beside it.
+        ``state_dict``: this module's full weights, gathered by the loop when ZeRO-3 / FSDP shard it."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        if state_dict is not None:  # keys are "model.<HF name>"
+            state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        self.model.save_pretrained(str(path), state_dict=state_dict)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(path))
+        (path / CONFIG_NAME).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
