@@ -1,0 +1,289 @@
+"""Medusa heads: model, self-distillation / hard-label training, and the decoding adapter.
+
+Alignment (x = tokens, h_t = the target's final *normed* hidden state at position t, p_t = the
+target's distribution at t = softmax(lm_head(h_t)), which predicts x_{t+1}):
+
+- head i (0-based) applied to h_t predicts x_{t+2+i}: one past what the target's own lm_head
+  predicts from the same row, so head 0 drafts the token after the next one;
+- KL-family losses train head i at anchor t against p_{t+1+i} (the target's distribution for
+  x_{t+2+i}, computed with the true prefix); ``hard_ce`` is Medusa-1: cross-entropy on the data
+  token x_{t+2+i};
+- mask: x_{t+2+i} is an attended assistant token (data.py: loss_mask[j] = 1 means position j-1 is
+  trained to predict x_j) and the anchor t itself is attended.
+
+In decoding the drafter holds h_{L-2} (features lag the tokens by one, see base.py) and the bonus
+token x_{L-1} is known, so head i applied to h_{L-2} drafts the token at position L + i.
+
+Parameter names follow vLLM's Medusa layout (``blocks.{i}.layers.{j}.weight/bias``,
+``lm_heads.{i}.weight``), so the weights export without renaming.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from spectrain.drafters.base import DraftContext, Drafter, Proposal
+from spectrain.losses import get_loss
+
+CONFIG_NAME = "drafter_config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class ResidualStack(nn.Module):
+    """n distinct ResBlocks x <- x + SiLU(W x + b). W and b start at zero, so the stack starts as the
+    identity and a fresh head reproduces the target's own lm_head (a sensible, not random, start)."""
+
+    def __init__(self, hidden: int, n: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden, bias=True) for _ in range(n))
+        for lin in self.layers:
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.layers:
+            x = x + F.silu(lin(x))
+        return x
+
+
+class MedusaHeads(nn.Module):
+    kind = "medusa"
+
+    def __init__(self, cfg: dict, lm_head_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.config = dict(cfg)
+        h, v, n = cfg["target_hidden_size"], cfg["target_vocab_size"], cfg["num_heads"]
+        if n < 1:
+            raise ValueError(f"Medusa needs num_heads >= 1, got {n}")
+        self.blocks = nn.ModuleList(ResidualStack(h, cfg["num_resblocks"]) for _ in range(n))
+        self.lm_heads = nn.ModuleList(nn.Linear(h, v, bias=False) for _ in range(n))
+        if lm_head_weight is not None:
+            with torch.no_grad():
+                for head in self.lm_heads:
+                    head.weight.copy_(lm_head_weight.detach().float())
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.lm_heads)
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_recipe(cls, recipe, target, token_counts: torch.Tensor | None = None) -> MedusaHeads:
+        from spectrain.features import target_fingerprint
+
+        m = recipe.drafter.medusa
+        cfg = {"kind": "medusa", "target": target.name_or_path, "target_hidden_size": target.hidden_size,
+               "target_vocab_size": target.vocab_size, "num_heads": m.num_heads,
+               "num_resblocks": m.num_resblocks, "loss": recipe.drafter.loss,
+               # same shapes do not mean same weights: record which target the heads were trained on
+               "target_fingerprint": target_fingerprint(target)}
+        get_loss(cfg["loss"])  # unknown names fail here, before any training
+        return cls(cfg, target.lm_head.weight).to(target.device)
+
+    def feature_spec(self) -> dict:
+        # The normed last hidden state is all Medusa reads; the teacher logits are lm_head(it).
+        return {"want_final_hidden": True}
+
+    # ---- forward -----------------------------------------------------------------------------
+    def head_logits(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Head i on target final hidden rows [..., H] -> logits [..., V] (fp32 drafter weights)."""
+        x = hidden.to(self.lm_heads[i].weight.dtype)
+        return self.lm_heads[i](self.blocks[i](x))
+
+    def forward(self, hidden: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """The first n heads (default all) on [..., H] -> [n, ..., V]."""
+        return torch.stack([self.head_logits(i, hidden) for i in range(n or self.num_heads)])
+
+    # ---- training ----------------------------------------------------------------------------
+    def train_loss(self, batch: dict, feats: dict, target) -> tuple[torch.Tensor, dict[str, float]]:
+        """Sum over heads of the per-head loss (heads share no parameters, so with Adam a per-head
+        weight would barely matter). Heads run only on the rows they are trained on."""
+        ids, am = batch["input_ids"], batch["attention_mask"].bool()
+        lm = batch["loss_mask"].bool() & am
+        fh = feats["final_hidden"]
+        name = self.config.get("loss", "fkl")
+        loss_fn = None if name == "hard_ce" else get_loss(name)
+        b, t = ids.shape
+        total = torch.zeros((), device=ids.device)
+        metrics: dict[str, float] = {}
+        run = torch.ones_like(am)  # anchors where every earlier head agreed with the target
+        sim, prod = 1.0, 1.0
+        for i in range(self.num_heads):
+            n_anchor = max(t - 2 - i, 0)
+            mask = lm[:, 2 + i:] & am[:, :n_anchor]  # [B, T-2-i] over anchors t
+            rb, rt = mask.nonzero(as_tuple=True)
+            logits = self.head_logits(i, fh[rb, rt])
+            with torch.no_grad():
+                teacher = target.lm_head(fh[rb, rt + 1 + i].to(target.dtype)).float()
+            if loss_fn is None:  # Medusa-1: hard labels from the data
+                per = F.cross_entropy(logits.float(), ids[rb, rt + 2 + i], reduction="none")
+                li = per.sum() / max(per.numel(), 1)  # no rows -> 0 (with a graph), not NaN
+            else:  # an all-true mask: the losses' masked mean gives 0, not NaN, when there are no rows
+                li = loss_fn(logits, teacher, torch.ones(rb.numel(), dtype=torch.bool, device=ids.device))
+            total = total + li
+            with torch.no_grad():
+                correct = torch.zeros_like(am)
+                correct[rb, rt] = logits.argmax(-1) == teacher.argmax(-1)
+                n = rb.numel()
+                acc = float(correct.sum()) / max(n, 1)
+                cond = torch.zeros_like(am)
+                cond[:, :n_anchor] = mask
+                cond &= run
+                metrics[f"cond_acc_{i}"] = float((correct & cond).sum()) / max(int(cond.sum()), 1)
+                run = run & correct
+            metrics[f"loss_{i}"], metrics[f"acc_{i}"] = float(li.detach()), acc
+            prod *= acc
+            sim += prod
+            if i == 0:
+                metrics["tokens"] = float(n)
+        metrics["loss"] = float(total.detach())
+        # PROXY, not a measured tau: teacher-forced greedy top-1 agreement, 1 + sum_i prod_{j<=i} acc_j
+        metrics["sim_tau"] = sim
+        return total, metrics
+
+    # ---- persistence -------------------------------------------------------------------------
+    def save_pretrained(self, path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "kind": "medusa"})
+        (path / CONFIG_NAME).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, path, target) -> MedusaHeads:
+        path = Path(path)
+        cfg_file = path / CONFIG_NAME
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{cfg_file} not found: not a spectrain Medusa checkpoint directory")
+        cfg = json.loads(cfg_file.read_text())
+        if cfg.get("kind") != "medusa":
+            raise ValueError(f"{cfg_file} is a {cfg.get('kind')!r} drafter, not medusa")
+        for key, have in (("target_hidden_size", target.hidden_size), ("target_vocab_size", target.vocab_size)):
+            if cfg[key] != have:
+                raise ValueError(f"Medusa heads at {path} were trained for a target with {key}={cfg[key]}, "
+                                 f"this target ({target.name_or_path}) has {have}: wrong target?")
+        _warn_if_other_target(cfg, target, path)
+        model = cls(cfg)
+        model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
+        return model.to(target.device)
+
+
+def _warn_if_other_target(cfg: dict, target, path) -> None:
+    from spectrain.features import target_fingerprint
+
+    want, have = cfg.get("target_fingerprint"), target_fingerprint(target)
+    if want and want != have:
+        warnings.warn(f"Medusa heads at {path} were trained on a target with other weights (fingerprint {want}, "
+                      f"this target {have}): same shapes, but expect low acceptance. Retrain the heads on this "
+                      "target.", stacklevel=3)
+
+
+# ---- decoding adapter ------------------------------------------------------------------------
+class MedusaProposer(Drafter):
+    """Decoding-side Medusa. Heads do not look at drafted tokens, so all state is the newest target
+    hidden row; drafts are deterministic (top-1 chain, top-m tree), which keeps greedy and sampled
+    verification exact (``Proposal.probs=None``: q is one-hot)."""
+
+    name = "medusa"
+    needs_final_hidden = True
+    supports_tree = True
+
+    def __init__(self, model: MedusaHeads, target):
+        self.model = model.eval()
+        self.target = target
+        self.begin(None)
+
+    def begin(self, prompt: torch.Tensor | None) -> None:
+        self.last = None  # final hidden row of the newest position received
+        self.n = 0  # positions received so far
+
+    def commit(self, accepted: list[int]) -> None:
+        pass  # the accepted tokens' true hidden rows arrive with the next propose()
+
+    def _ingest(self, ctx: DraftContext) -> None:
+        f, total = ctx.features, int(ctx.tokens.numel())
+        if f is not None and len(f):
+            if f.final_hidden is None:
+                raise ValueError("Medusa needs ctx.features.final_hidden (the target's normed last hidden "
+                                 "state); the decoder must honour needs_final_hidden=True")
+            if f.start > self.n:
+                raise ValueError(f"Medusa drafter got features from position {f.start} but has only {self.n}: "
+                                 "features for committed positions were skipped")
+            self.last = f.final_hidden[-1]
+            self.n = f.start + len(f)
+        if self.n != total - 1 or self.last is None:
+            raise ValueError(f"Medusa drafter has features for {self.n} positions but {total} tokens are committed; "
+                             f"features must lag the tokens by exactly one (base.py contract)")
+
+    def _check_depth(self, k: int) -> None:
+        if k > self.model.num_heads:
+            raise ValueError(f"this Medusa drafter has {self.model.num_heads} heads, so it drafts at most "
+                             f"{self.model.num_heads} tokens per step; got k (or tree depth) {k}: use k <= "
+                             f"{self.model.num_heads} or train more heads (drafter.medusa.num_heads)")
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> Proposal:
+        self._check_depth(ctx.k)
+        if ctx.tokens.numel() < 2:  # a 1-token prompt: no target hidden state to draft from yet
+            return Proposal(tokens=ctx.tokens.new_zeros(0))
+        self._ingest(ctx)
+        logits = self.model(self.last, ctx.k).float()  # [k, V]
+        if ctx.tree is None:
+            return Proposal(tokens=logits.argmax(-1).long().to(ctx.tokens.device))
+        topk = int(ctx.tree.get("topk", 4))
+        total = int(ctx.tree.get("total_tokens", 32))
+        if topk < 1 or total < 1:
+            raise ValueError(f"tree options need topk >= 1 and total_tokens >= 1, got {ctx.tree}")
+        top = logits.log_softmax(-1).topk(min(topk, logits.shape[-1]), dim=-1)
+        paths, parents = best_tree(top.values.tolist(), total)
+        ids = [int(top.indices[len(path) - 1, path[-1]]) for path in paths]  # depth d reads head d-1
+        dev = ctx.tokens.device
+        return Proposal(tokens=torch.tensor(ids, dtype=torch.long, device=dev),
+                        parents=torch.tensor(parents, dtype=torch.long, device=dev))
+
+
+def best_tree(logq: list[list[float]], total: int) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The `total` root paths with the highest summed log-prob, where depth d offers the candidates
+    logq[d-1] (sorted descending) independently of the path. Returns (paths as rank tuples, parents)
+    ordered by depth then lexicographically: parents first, siblings likeliest first.
+
+    Best-first enumeration: a popped node pushes its next sibling and its first child, so each node is
+    pushed once, scores pop in non-increasing order (log-probs are <= 0 and siblings are sorted), and a
+    node is only reachable after its parent and earlier siblings: the chosen set is a tree."""
+    depth = len(logq)
+    if depth == 0 or not logq[0]:
+        return [], []
+    def push(path: tuple[int, ...]) -> None:
+        # summed root to leaf, the same order for every path: an extension never rounds above its prefix
+        score = 0.0
+        for d, r in enumerate(path):
+            score += logq[d][r]
+        heapq.heappush(heap, (-score, path))
+
+    heap: list[tuple[float, tuple[int, ...]]] = []
+    push((0,))
+    chosen: list[tuple[int, ...]] = []
+    while heap and len(chosen) < total:
+        _, path = heapq.heappop(heap)
+        chosen.append(path)
+        d, r = len(path), path[-1]
+        if r + 1 < len(logq[d - 1]):
+            push(path[:-1] + (r + 1,))
+        if d < depth:
+            push(path + (0,))
+    chosen.sort(key=lambda p: (len(p), p))
+    index = {p: i for i, p in enumerate(chosen)}
+    return chosen, [index[p[:-1]] if len(p) > 1 else -1 for p in chosen]
+
+
+def load(path, target) -> MedusaProposer:
+    """Registry entry (drafters/__init__.py: {"medusa": medusa.load}): decoding-ready Medusa heads."""
+    return MedusaProposer(MedusaHeads.from_pretrained(path, target), target)
