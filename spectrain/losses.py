@@ -8,8 +8,10 @@ log-space keeps the KL terms finite where probabilities underflow.
 
 Names follow DistillSpec: ``fkl`` = KL(p_teacher || q_student) (equals ``soft_ce`` up to the
 teacher's entropy, which has no gradient), ``rkl`` = KL(q || p), ``jsd`` = Jensen-Shannon with
-beta = 0.5, ``tvd`` = total variation 0.5 * sum |p - q|, ``hard_ce`` = cross-entropy on the
-teacher's argmax.
+beta = 0.5, ``tvd`` = total variation 0.5 * sum |p - q|. ``hard_ce`` is the one loss that does not
+look at the teacher: cross-entropy on hard labels, the data's next tokens (Medusa-1 / supervised
+fine-tuning; on target-regenerated data it is sequence-level distillation). Every family applies
+``drafter.loss`` through ``drafter_loss`` so the name means the same thing for all of them.
 """
 
 from __future__ import annotations
@@ -69,18 +71,26 @@ def soft_ce(student_logits, teacher_logits, mask=None) -> torch.Tensor:
     return _masked_mean(-(lp.exp() * lq).sum(-1), mask)
 
 
-def hard_ce(student_logits, teacher_logits, mask=None) -> torch.Tensor:
-    """Cross-entropy against the teacher's argmax token (Medusa-1 style hard labels)."""
-    lq, _ = _logps(student_logits, teacher_logits)
-    labels = teacher_logits.argmax(-1, keepdim=True)
-    return _masked_mean(-lq.gather(-1, labels).squeeze(-1), mask)
+def hard_ce(student_logits, labels, mask=None) -> torch.Tensor:
+    """Cross-entropy on hard labels ``labels`` [...] (token ids in the student's vocabulary)."""
+    lq = torch.log_softmax(student_logits.float(), -1)
+    return _masked_mean(-lq.gather(-1, labels[..., None].long()).squeeze(-1), mask)
 
 
-LOSSES = {"fkl": fkl, "rkl": rkl, "jsd": jsd, "tvd": tvd, "soft_ce": soft_ce, "hard_ce": hard_ce}
+# the divergences from the teacher's distribution (hard_ce takes labels instead: see drafter_loss)
+LOSSES = {"fkl": fkl, "rkl": rkl, "jsd": jsd, "tvd": tvd, "soft_ce": soft_ce}
+
+
+def drafter_loss(name: str, student_logits, teacher_logits, labels, mask=None) -> torch.Tensor:
+    """``drafter.loss`` of a recipe: ``hard_ce`` on ``labels`` (the data's next tokens), else the named
+    divergence from the teacher's distribution."""
+    if name == "hard_ce":
+        return hard_ce(student_logits, labels, mask)
+    return get_loss(name)(student_logits, teacher_logits, mask)
 
 
 def get_loss(name: str):
     """Look a loss up by its recipe name (``drafter.loss``)."""
     if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
+        raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}, hard_ce")
     return LOSSES[name]

@@ -135,6 +135,24 @@ def test_step0_loss_matches_hand_alignment(target):
     assert all(p.grad is None for p in target.model.parameters())
 
 
+def test_hard_ce_uses_the_data_tokens_in_the_draft_vocabulary(target):
+    head = make_head(target, ttt_steps=1, draft_vocab_size=96)
+    head.config["loss"] = "hard_ce"
+    torch.manual_seed(3)
+    ids = torch.randint(3, target.vocab_size, (2, 12))
+    am, lm = torch.ones_like(ids), (torch.rand(2, 12) > 0.2).long()
+    feats = feats_of(target, head, ids, am)
+    _, met = head.train_loss({"input_ids": ids, "attention_mask": am, "loss_mask": lm}, feats, target)
+    with torch.no_grad():
+        lg0 = head.ttt_logits(ids, am, feats["aux"], target, steps=1)[0][:, :10]
+    data = ids[:, 2:]  # anchor t's label is the data token t+2, when the draft vocabulary holds it
+    keep = lm[:, 2:].bool() & head.t2d[data]
+    assert 0 < int(keep.sum()) < keep.numel()  # some labels fall outside the 96-token draft vocabulary
+    draft_id = {int(t): j for j, t in enumerate(head.draft_ids)}
+    nll = [-torch.log_softmax(lg0[b, t], -1)[draft_id[int(data[b, t])]] for b, t in keep.nonzero().tolist()]
+    assert met["loss_0"] == pytest.approx(float(torch.stack(nll).mean()), rel=1e-4)
+
+
 def test_training_raises_accuracy(target):
     head = make_head(target, ttt_steps=2, draft_vocab_size=128)
     torch.manual_seed(3)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from spectrain.losses import LOSSES, get_loss
+from spectrain.losses import LOSSES, drafter_loss, get_loss, hard_ce
 
 # teacher p = [0.25, 0.75], student q = [0.75, 0.25] (given as log-probs = valid logits)
 P = [0.25, 0.75]
@@ -22,7 +22,6 @@ EXPECTED = {
     "jsd": JSD,
     "tvd": 0.5 * (abs(0.25 - 0.75) + abs(0.75 - 0.25)),
     "soft_ce": -(P[0] * math.log(Q[0]) + P[1] * math.log(Q[1])),
-    "hard_ce": -math.log(Q[1]),  # teacher argmax = token 1
 }
 
 
@@ -48,7 +47,7 @@ def test_mask_selects_positions_and_zero_at_equality(name):
     teacher = torch.cat([t, same, t])
     mask = torch.tensor([1, 0, 0])
     assert get_loss(name)(student, teacher, mask).item() == pytest.approx(EXPECTED[name], rel=1e-5)
-    if name not in ("soft_ce", "hard_ce"):  # divergences vanish when q == p
+    if name != "soft_ce":  # divergences vanish when q == p
         assert get_loss(name)(same, same).item() == pytest.approx(0.0, abs=1e-6)
 
 
@@ -66,4 +65,17 @@ def test_empty_mask_is_zero_not_nan_and_bad_input_errors():
     with pytest.raises(ValueError, match="same"):
         get_loss("fkl")(s, torch.zeros(1, 3))
     with pytest.raises(ValueError, match="choose one of"):
+        get_loss("kl")
+
+
+def test_hard_ce_uses_the_labels_not_the_teacher():
+    s, t = _pair()
+    labels = torch.tensor([0])
+    assert hard_ce(s, labels).item() == pytest.approx(-math.log(Q[0]), rel=1e-5)
+    # drafter_loss routes by name: hard_ce ignores the teacher, the divergences ignore the labels
+    assert drafter_loss("hard_ce", s, None, labels).item() == pytest.approx(-math.log(Q[0]), rel=1e-5)
+    assert drafter_loss("fkl", s, t, None).item() == pytest.approx(EXPECTED["fkl"], rel=1e-5)
+    rows = torch.cat([s, s])
+    assert hard_ce(rows, torch.tensor([0, 1]), torch.tensor([0, 1])).item() == pytest.approx(-math.log(Q[1]), rel=1e-5)
+    with pytest.raises(ValueError, match="hard_ce"):
         get_loss("kl")

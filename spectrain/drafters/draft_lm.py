@@ -22,15 +22,14 @@ from __future__ import annotations
 import copy
 import json
 import re
-import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from spectrain.drafters.base import DraftContext, Drafter, Proposal
+from spectrain.drafters.head_io import CONFIG_NAME, warn_if_other_target
 
-CONFIG_NAME = "drafter_config.json"
 SIM_K = 5  # chain length the simulated-tau proxy assumes (the eval's default k)
 
 
@@ -176,19 +175,10 @@ class DraftLMDrafter(Drafter):
 
 
 def _warn_if_other_target(path, target) -> None:
-    """A trained draft records the target it was distilled from. Another target with the same vocabulary
-    still decodes losslessly, only with low acceptance, so this warns instead of refusing."""
     cfg_file = Path(path) / CONFIG_NAME
-    if not cfg_file.is_file():
-        return  # a plain HF model (hub id or directory): nothing recorded
-    from spectrain.features import target_fingerprint
-
-    want = json.loads(cfg_file.read_text()).get("target_fingerprint")
-    have = target_fingerprint(target)
-    if want and want != have:
-        warnings.warn(f"draft model at {path} was distilled from a target with other weights (fingerprint {want}, "
-                      f"this target {have}): decoding stays lossless but expect low acceptance; retrain it "
-                      "on this target", stacklevel=3)
+    if cfg_file.is_file():  # a plain HF model (hub id or directory) records nothing
+        warn_if_other_target(json.loads(cfg_file.read_text()).get("target_fingerprint"), target,
+                             f"draft model at {path}")
 
 
 # ---- training: the draft model as a student of the frozen target --------------------------------
@@ -362,14 +352,10 @@ class DraftStudent(nn.Module):
         v = min(student.shape[-1], teacher.shape[-1])  # rows past the shared tokenizer are padding
         student, teacher = student[:, :v], teacher[:, :v]
         ones = torch.ones(student.shape[0], dtype=torch.bool, device=student.device)
-        if self.config["loss"] == "hard_ce":
-            labels = ids[:, 1:][valid[:, :-1]]
-            nll = -torch.log_softmax(student.float(), -1).gather(-1, labels[:, None]).squeeze(-1)
-            loss = nll.sum() / max(int(labels.numel()), 1)
-        else:
-            from spectrain.losses import get_loss
+        from spectrain.losses import drafter_loss
 
-            loss = get_loss(self.config["loss"])(student, teacher, ones)
+        labels = ids[:, 1:][valid[:, :-1]]  # hard_ce: the data's next tokens
+        loss = drafter_loss(self.config["loss"], student, teacher, labels, ones)
         with torch.no_grad():
             q, p = student.float().softmax(-1), teacher.softmax(-1)
             metrics = chain_metrics(valid, student.argmax(-1) == teacher.argmax(-1),

@@ -19,22 +19,18 @@ embeddings are used frozen and never stored.
 
 from __future__ import annotations
 
-import json
-import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from spectrain.drafters.base import DraftContext, Drafter, Proposal
-from spectrain.losses import get_loss
-
-CONFIG_NAME = "drafter_config.json"
-WEIGHTS_NAME = "model.safetensors"
+from spectrain.drafters.head_io import WEIGHTS_NAME, read_head_config, save_head
+from spectrain.losses import drafter_loss, hard_ce
 
 
 # ---- draft vocabulary ------------------------------------------------------------------------
@@ -272,7 +268,8 @@ class Eagle3Drafter(nn.Module):
     def train_loss(self, batch: dict, feats: dict, target) -> tuple[torch.Tensor, dict[str, float]]:
         ids, am, lm = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
         steps, decay = self.config["ttt_steps"], self.config["ttt_decay"]
-        loss_fn = get_loss(self.config.get("loss", "fkl"))
+        name = self.config.get("loss", "fkl")
+        to_draft = torch.cumsum(self.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
         with torch.no_grad():
             tlogits = target.logits_from_last_hidden(feats["last_hidden"])
             in_vocab = self.t2d[tlogits.argmax(-1)]
@@ -286,7 +283,11 @@ class Eagle3Drafter(nn.Module):
         for i, lg in enumerate(logits):
             tch = _shift(teacher, 1 + i)
             mask = _shift(lm & am, 2 + i, False) & _shift(in_vocab, 1 + i, False)
-            li = loss_fn(lg, tch, mask)
+            if name == "hard_ce":  # labels = the data's token t+2+i, where the draft vocabulary has it
+                data = _shift(ids, 2 + i)
+                li = hard_ce(lg, to_draft[data].clamp_min(0), _shift(lm & am, 2 + i, False) & self.t2d[data])
+            else:
+                li = drafter_loss(name, lg, tch, None, mask)
             total = total + decay**i * li
             with torch.no_grad():
                 correct = (lg.argmax(-1) == tch.argmax(-1)) & mask
@@ -311,41 +312,16 @@ class Eagle3Drafter(nn.Module):
     # ---- persistence -------------------------------------------------------------------------
     def save_pretrained(self, path, state_dict: dict | None = None) -> None:
         """``state_dict``: full weights gathered by the loop when ZeRO-3 / FSDP shard this module."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
-        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "kind": "eagle3"})
-        (path / CONFIG_NAME).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+        save_head(path, self.config, state_dict or self.state_dict())
 
     @classmethod
     def from_pretrained(cls, path, target) -> Eagle3Drafter:
-        path = Path(path)
-        cfg_file = path / CONFIG_NAME
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{cfg_file} not found: not a spectrain EAGLE-3 checkpoint directory")
-        cfg = json.loads(cfg_file.read_text())
-        if cfg.get("kind") != "eagle3":
-            raise ValueError(f"{cfg_file} is a {cfg.get('kind')!r} drafter, not eagle3")
-        for key, have in (("target_hidden_size", target.hidden_size), ("target_vocab_size", target.vocab_size)):
-            if cfg[key] != have:
-                raise ValueError(f"EAGLE-3 head at {path} was trained for a target with {key}={cfg[key]}, "
-                                 f"this target ({target.name_or_path}) has {have}: wrong target?")
+        cfg = read_head_config(path, "eagle3", target, "EAGLE-3 head")
         target.validate_aux_layers(cfg["aux_layers"])
-        _warn_if_other_target(cfg, target, path)
-        state = load_file(str(path / WEIGHTS_NAME))
+        state = load_file(str(Path(path) / WEIGHTS_NAME))
         model = cls(cfg, state["d2t"], state["t2d"])
         model.load_state_dict(state, strict=True)
         return model.to(target.device)
-
-
-def _warn_if_other_target(cfg: dict, target, path) -> None:
-    from spectrain.features import target_fingerprint
-
-    want = cfg.get("target_fingerprint")
-    if want and want != target_fingerprint(target):
-        warnings.warn(f"EAGLE-3 head at {path} was trained on a target with other weights (fingerprint {want}, "
-                      f"this target {target_fingerprint(target)}): same shapes, but expect low acceptance. "
-                      "Retrain the head on this target.", stacklevel=3)
 
 
 # ---- decoding adapter ------------------------------------------------------------------------

@@ -21,20 +21,16 @@ Parameter names follow vLLM's Medusa layout (``blocks.{i}.layers.{j}.weight/bias
 from __future__ import annotations
 
 import heapq
-import json
-import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from spectrain.drafters.base import DraftContext, Drafter, Proposal
-from spectrain.losses import get_loss
-
-CONFIG_NAME = "drafter_config.json"
-WEIGHTS_NAME = "model.safetensors"
+from spectrain.drafters.head_io import WEIGHTS_NAME, read_head_config, save_head
+from spectrain.losses import drafter_loss
 
 
 class ResidualStack(nn.Module):
@@ -85,7 +81,6 @@ class MedusaHeads(nn.Module):
                "num_resblocks": m.num_resblocks, "loss": recipe.drafter.loss,
                # same shapes do not mean same weights: record which target the heads were trained on
                "target_fingerprint": target_fingerprint(target)}
-        get_loss(cfg["loss"])  # unknown names fail here, before any training
         return cls(cfg, target.lm_head.weight).to(target.device)
 
     def feature_spec(self) -> dict:
@@ -110,7 +105,6 @@ class MedusaHeads(nn.Module):
         lm = batch["loss_mask"].bool() & am
         fh = feats["final_hidden"]
         name = self.config.get("loss", "fkl")
-        loss_fn = None if name == "hard_ce" else get_loss(name)
         b, t = ids.shape
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
@@ -123,11 +117,9 @@ class MedusaHeads(nn.Module):
             logits = self.head_logits(i, fh[rb, rt])
             with torch.no_grad():
                 teacher = target.lm_head(fh[rb, rt + 1 + i].to(target.dtype)).float()
-            if loss_fn is None:  # Medusa-1: hard labels from the data
-                per = F.cross_entropy(logits.float(), ids[rb, rt + 2 + i], reduction="none")
-                li = per.sum() / max(per.numel(), 1)  # no rows -> 0 (with a graph), not NaN
-            else:  # an all-true mask: the losses' masked mean gives 0, not NaN, when there are no rows
-                li = loss_fn(logits, teacher, torch.ones(rb.numel(), dtype=torch.bool, device=ids.device))
+            # an all-true mask: the masked mean gives 0 (with a graph), not NaN, when there are no rows
+            ones = torch.ones(rb.numel(), dtype=torch.bool, device=ids.device)
+            li = drafter_loss(name, logits, teacher, ids[rb, rt + 2 + i], ones)  # hard_ce: Medusa-1 data labels
             total = total + li
             with torch.no_grad():
                 correct = torch.zeros_like(am)
@@ -150,40 +142,15 @@ class MedusaHeads(nn.Module):
         return total, metrics
 
     # ---- persistence -------------------------------------------------------------------------
-    def save_pretrained(self, path) -> None:
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "kind": "medusa"})
-        (path / CONFIG_NAME).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+    def save_pretrained(self, path, state_dict: dict | None = None) -> None:
+        """``state_dict``: full weights gathered by the loop when ZeRO-3 / FSDP shard this module."""
+        save_head(path, self.config, state_dict or self.state_dict())
 
     @classmethod
     def from_pretrained(cls, path, target) -> MedusaHeads:
-        path = Path(path)
-        cfg_file = path / CONFIG_NAME
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{cfg_file} not found: not a spectrain Medusa checkpoint directory")
-        cfg = json.loads(cfg_file.read_text())
-        if cfg.get("kind") != "medusa":
-            raise ValueError(f"{cfg_file} is a {cfg.get('kind')!r} drafter, not medusa")
-        for key, have in (("target_hidden_size", target.hidden_size), ("target_vocab_size", target.vocab_size)):
-            if cfg[key] != have:
-                raise ValueError(f"Medusa heads at {path} were trained for a target with {key}={cfg[key]}, "
-                                 f"this target ({target.name_or_path}) has {have}: wrong target?")
-        _warn_if_other_target(cfg, target, path)
-        model = cls(cfg)
-        model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
+        model = cls(read_head_config(path, "medusa", target, "Medusa heads"))
+        model.load_state_dict(load_file(str(Path(path) / WEIGHTS_NAME)), strict=True)
         return model.to(target.device)
-
-
-def _warn_if_other_target(cfg: dict, target, path) -> None:
-    from spectrain.features import target_fingerprint
-
-    want, have = cfg.get("target_fingerprint"), target_fingerprint(target)
-    if want and want != have:
-        warnings.warn(f"Medusa heads at {path} were trained on a target with other weights (fingerprint {want}, "
-                      f"this target {have}): same shapes, but expect low acceptance. Retrain the heads on this "
-                      "target.", stacklevel=3)
 
 
 # ---- decoding adapter ------------------------------------------------------------------------

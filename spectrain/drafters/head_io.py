@@ -1,0 +1,50 @@
+"""Saving and loading trained heads (EAGLE-3, Medusa): ``drafter_config.json`` + ``model.safetensors``,
+with the checks every family needs before it trusts a directory on a given target."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+CONFIG_NAME = "drafter_config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def save_head(path, config: dict, state: dict[str, torch.Tensor]) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "kind": config["kind"]})
+    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def read_head_config(path, kind: str, target, what: str) -> dict:
+    """The directory's config after checking kind and the target sizes it was trained for (``what``
+    names the head in messages, e.g. "EAGLE-3 head")."""
+    cfg_file = Path(path) / CONFIG_NAME
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} not found: not a spectrain {kind} checkpoint directory")
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.get("kind") != kind:
+        raise ValueError(f"{cfg_file} is a {cfg.get('kind')!r} drafter, not {kind}")
+    for key, have in (("target_hidden_size", target.hidden_size), ("target_vocab_size", target.vocab_size)):
+        if cfg[key] != have:
+            raise ValueError(f"{what} at {path} was trained for a target with {key}={cfg[key]}, "
+                             f"this target ({target.name_or_path}) has {have}: wrong target?")
+    warn_if_other_target(cfg.get("target_fingerprint"), target, f"{what} at {path}")
+    return cfg
+
+
+def warn_if_other_target(recorded: str | None, target, what: str) -> None:
+    """Same shapes do not mean same weights: a drafter trained on another build of the target loads fine
+    and then accepts almost nothing (decoding stays lossless). Warn, do not refuse."""
+    from spectrain.features import target_fingerprint
+
+    have = target_fingerprint(target)
+    if recorded and recorded != have:
+        warnings.warn(f"{what} was trained on a target with other weights (fingerprint {recorded}, this target "
+                      f"{have}): expect low acceptance; retrain it on this target", stacklevel=3)

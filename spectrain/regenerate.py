@@ -1,0 +1,390 @@
+"""`spectrain regenerate`: self-distillation data, i.e. the recipe's prompts answered by the frozen target.
+
+    spectrain regenerate recipes/tiny/eagle3.yaml --out data/regen/chat_mix.jsonl --max-new-tokens 256
+    spectrain train recipes/tiny/eagle3.yaml data.train_files=[data/regen/chat_mix.jsonl]
+
+Conversations are read exactly as training reads them (``spectrain.data.load_conversations``: same
+formats, bad-row handling and ``data.max_rows``). System and user turns are kept; every assistant turn
+is replaced by the target's own answer, turn by turn: turn j's prompt is the conversation so far (with
+the earlier *regenerated* answers) rendered by the chat template with ``add_generation_prompt=True``.
+Rows keep their ids, so the held-out split (a hash of the id) is the same on the regenerated file.
+
+- Decoding: greedy (temperature 0) or sampled; a row's random stream is seeded from (seed, id, turn),
+  so its answer does not depend on which rows share its batch or on where a run was resumed.
+- Batches are fixed chunks of the input order (left-padded, KV-cached, one forward per token): the
+  same batches on every run, so floating-point results are identical after a resume too.
+- Stops at the eos ids the decoder uses (``decoding._resolve_eos``) plus the chat template's
+  end-of-turn token; answers that hit --max-new-tokens are kept and counted as truncated.
+- Resumable and atomic: rows go to FILE.tmp (flushed per batch) with the settings in FILE.tmp.meta.json;
+  a restart skips ids already there; FILE appears only once every row is done.
+- Under torchrun (WORLD_SIZE > 1) rank r answers rows i % world == r into FILE.rank{r}.tmp; rank 0 waits
+  for every rank's ``.done`` marker and merges them in input order.
+- A prompt that does not fit (max positions - max_new_tokens) skips the row when it is the first turn;
+  later it ends the conversation at the last answered turn ("shortened"). An empty answer does the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import os
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from spectrain.sampling import Sampler
+
+
+@dataclass
+class RegenConfig:
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    seed: int = 0
+    batch_size: int = 8
+    n: int | None = None  # None = every conversation
+
+    def validate(self) -> RegenConfig:
+        if self.n is not None and self.n <= 0:
+            raise ValueError(f"--n {self.n}: must be a positive number of conversations (omit it for all)")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"--max-new-tokens {self.max_new_tokens}: must be > 0")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature {self.temperature}: must be >= 0 (0 = greedy)")
+        if self.batch_size <= 0:
+            raise ValueError(f"--batch-size {self.batch_size}: must be > 0")
+        return self
+
+
+@dataclass
+class RegenStats:
+    written: int = 0  # rows in the final file (including resumed ones)
+    resumed: int = 0  # rows found already done in the tmp file
+    skipped: Counter = field(default_factory=Counter)  # reason -> rows not written
+    shortened: int = 0  # rows cut before a later turn (context full / empty answer)
+    answers: int = 0
+    truncated: int = 0  # answers that hit max_new_tokens (kept)
+    tokens: int = 0  # generated tokens, stop tokens included
+    gen_time_s: float = 0.0
+
+    def lines(self) -> list[str]:
+        tps = self.tokens / self.gen_time_s if self.gen_time_s > 0 else 0.0
+        out = [f"regenerate: {self.written} rows written ({self.resumed} from an earlier run), "
+               f"{sum(self.skipped.values())} skipped, {self.shortened} shortened",
+               f"  answers {self.answers}, truncated at max_new_tokens {self.truncated}, tokens generated "
+               f"{self.tokens} in {self.gen_time_s:.1f}s = {tps:.1f} tokens/s"]
+        return out + [f"  skipped {n:6d}  {why}" for why, n in self.skipped.most_common()]
+
+
+# ---- generation ----------------------------------------------------------------------------------------
+
+
+def stop_token_ids(target) -> set[int]:
+    """The decoder's eos ids plus the token the chat template closes an assistant turn with."""
+    from spectrain.decoding import _resolve_eos
+
+    tok, stop = target.tokenizer, set(_resolve_eos(target, None))
+    if tok.eos_token_id is not None:
+        stop.add(int(tok.eos_token_id))
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "PROBE"}]
+    try:  # e.g. ChatML targets whose eos is <|endoftext|> end turns with <|im_end|>
+        text = tok.apply_chat_template(probe, tokenize=False)
+        tail = tok(text[text.rindex("PROBE") + 5:], add_special_tokens=False)["input_ids"]
+        if tail and tail[0] in set(tok.all_special_ids) | set(tok.added_tokens_decoder):
+            stop.add(int(tail[0]))
+    except Exception:  # a template that rejects the probe (e.g. requires a system turn): eos only
+        pass
+    return stop
+
+
+def _row_seed(seed: int, row_id: str, turn: int) -> int:
+    return int(hashlib.sha1(f"{seed}:{row_id}:{turn}".encode()).hexdigest()[:15], 16)
+
+
+def _last_logits(target, ids, attn, pos, cache) -> torch.Tensor:
+    kw = {"attention_mask": attn, "position_ids": pos, getattr(target, "_cache_kw", "past_key_values"): cache,
+          "use_cache": True}
+    if "logits_to_keep" in inspect.signature(target.model.forward).parameters:
+        kw["logits_to_keep"] = 1  # the prefill would otherwise project every prompt position onto the vocab
+    return target.model(ids, **kw).logits[:, -1].float()
+
+
+@torch.no_grad()
+def generate_batch(target, prompts: list[list[int]], seeds: list[int], max_new: int, temperature: float,
+                   stop: set[int]) -> list[tuple[list[int], bool]]:
+    """Left-padded KV-cached decoding -> per prompt (answer ids without the stop token, truncated?)."""
+    from transformers import DynamicCache
+
+    dev, b, n = target.device, len(prompts), max(len(p) for p in prompts)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    ids = torch.full((b, n), pad, dtype=torch.long)
+    attn = torch.zeros((b, n), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, n - len(p):], attn[i, n - len(p):] = torch.tensor(p), 1
+    ids, attn = ids.to(dev), attn.to(dev)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    sampler = Sampler(temperature=temperature)  # the one warp the decoder uses
+    gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
+    cache, out, done, stopped = DynamicCache(), [[] for _ in prompts], [False] * b, [False] * b
+    for _ in range(max_new):
+        logits = _last_logits(target, ids, attn, pos, cache)
+        if sampler.greedy:
+            nxt = logits.argmax(-1).tolist()
+        else:
+            probs = sampler.probs(logits)
+            nxt = [int(torch.multinomial(probs[i], 1, generator=gens[i])) for i in range(b)]
+        for i, t in enumerate(nxt):
+            if done[i]:
+                continue
+            if t in stop:
+                done[i] = stopped[i] = True
+            else:
+                out[i].append(t)
+                done[i] = len(out[i]) >= max_new
+        if all(done):
+            break
+        ids = torch.tensor([[pad if d else t] for t, d in zip(nxt, done)], device=dev)
+        attn = torch.cat([attn, torch.ones((b, 1), dtype=attn.dtype, device=dev)], 1)
+        pos = pos[:, -1:] + 1
+    return [(o, not s) for o, s in zip(out, stopped)]
+
+
+def _prompt_ids(tok, messages: list[dict]) -> list[int]:
+    # Same path as training: render to text, then encode without adding specials (the template has BOS).
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def regenerate_batch(target, rows: list[dict], cfg: RegenConfig, stop: set[int], stats: RegenStats
+                     ) -> list[dict | None]:
+    """Answer every assistant turn of `rows`, turn by turn across the batch; a skipped row becomes
+    {"id", "_skipped": reason}."""
+    tok, limit = target.tokenizer, target.max_positions
+    convs: list[list[dict] | str] = [[] for _ in rows]  # a str = the reason the row is skipped
+    todo = [[i for i, m in enumerate(r["messages"]) if m["role"] == "assistant"] for r in rows]
+    for turn in range(max(len(t) for t in todo)):
+        active, prompts = [], []
+        for k, r in enumerate(rows):
+            if isinstance(convs[k], str) or turn >= len(todo[k]):
+                continue
+            done_through = todo[k][turn - 1] + 1 if turn else 0
+            convs[k] += [dict(m) for m in r["messages"][done_through:todo[k][turn]]]
+            why = ""
+            try:
+                ids = _prompt_ids(tok, convs[k])
+                if limit is not None and len(ids) > limit - cfg.max_new_tokens:
+                    why = f"prompt longer than max positions ({limit}) - max_new_tokens ({cfg.max_new_tokens})"
+            except Exception as e:  # jinja raises its own types ("roles must alternate" ...)
+                why = f"chat template: {type(e).__name__}: {str(e)[:60]}"
+            if why:
+                _stop_row(convs, todo, k, turn, why, stats)
+                continue
+            active.append(k)
+            prompts.append(ids)
+        if not active:
+            continue
+        t0 = time.perf_counter()
+        seeds = [_row_seed(cfg.seed, rows[k]["id"], turn) for k in active]
+        answers = generate_batch(target, prompts, seeds, cfg.max_new_tokens, cfg.temperature, stop)
+        stats.gen_time_s += time.perf_counter() - t0
+        for k, (ids, truncated) in zip(active, answers):
+            stats.tokens += len(ids) + (not truncated)
+            text = tok.decode(ids, skip_special_tokens=False)  # keep every token the target wrote
+            if not text.strip():  # training drops rows with an empty turn; end the conversation before it
+                _stop_row(convs, todo, k, turn, "empty answer", stats)
+                continue
+            stats.answers += 1
+            stats.truncated += int(truncated)
+            convs[k].append({"role": "assistant", "content": text})
+    return [{"id": r["id"], "_skipped": c} if isinstance(c, str) else {"id": r["id"], "messages": c}
+            for r, c in zip(rows, convs)]
+
+
+def _stop_row(convs: list, todo: list, k: int, turn: int, why: str, stats: RegenStats) -> None:
+    """First turn: skip the row. Later: keep it through the last answered turn."""
+    if turn == 0:
+        convs[k] = f"first turn: {why}"  # counted when the part files are merged (resumed rows too)
+    else:
+        while convs[k][-1]["role"] != "assistant":
+            convs[k].pop()
+        todo[k] = todo[k][:turn]
+        stats.shortened += 1
+
+
+# ---- files: resume, atomic rename, per-rank parts --------------------------------------------------------
+# A part file holds one line per finished input row, in input order: the regenerated row, or
+# {"id", "_skipped": reason} so that a resumed run does not redo rows it already had to skip.
+
+
+def _read_done(tmp: Path) -> Counter:
+    """Ids already in `tmp` (a multiset: input ids may repeat); a torn last line is cut off."""
+    done: Counter = Counter()
+    if not tmp.exists():
+        return done
+    good = 0
+    with open(tmp, "rb") as f:
+        for line in f:
+            try:
+                done[json.loads(line)["id"]] += 1
+                good += len(line)
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+                if f.read():  # damage before the end is not an interruption
+                    raise ValueError(f"{tmp} is corrupt (bad line after {sum(done.values())} rows); delete it "
+                                     "to start over") from None
+                break
+    with open(tmp, "r+b") as f:
+        f.truncate(good)  # drop the interrupted write, if any
+    return done
+
+
+def _check_meta(part: Path, meta: dict) -> None:
+    """Refuse to mix rows generated with different settings into one file."""
+    meta_path = part.with_name(part.name + ".meta.json")
+    if part.exists() and meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
+        if diff:
+            changes = ", ".join(f"{k}: {old.get(k)!r} -> {meta.get(k)!r}" for k in diff)
+            raise ValueError(f"{part} was started with other settings ({changes}); "
+                             "rerun with the same settings to resume, or delete that .tmp file to start over")
+    meta_path.write_text(json.dumps(meta, indent=1))
+
+
+def _write_part(target, rows: list[dict], tmp: Path, cfg: RegenConfig, stats: RegenStats) -> None:
+    """Answer `rows` into `tmp`, skipping finished ones. Batches are fixed chunks of `rows` on every run,
+    so a batch cut by an interruption is recomputed whole (same neighbours, same numbers)."""
+    done = _read_done(tmp)
+    stats.resumed = sum(done.values())
+    if stats.resumed:
+        print(f"regenerate: resuming {tmp}: {stats.resumed} rows already done", flush=True)
+    stop, last_log = stop_token_ids(target), time.perf_counter()
+    with open(tmp, "a", encoding="utf-8") as f:
+        for start in range(0, len(rows), cfg.batch_size):
+            batch = rows[start:start + cfg.batch_size]
+            have = []
+            for r in batch:  # consume the multiset in input order so that repeated ids resume correctly
+                have.append(done[r["id"]] > 0)
+                done[r["id"]] -= have[-1]
+            if all(have):
+                continue
+            for out, had in zip(regenerate_batch(target, batch, cfg, stop, stats), have):
+                if not had:
+                    f.write(json.dumps(out, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            if time.perf_counter() - last_log > 30:
+                last_log = time.perf_counter()
+                print(f"regenerate: {start + len(batch)}/{len(rows)} rows, {stats.tokens} tokens", flush=True)
+
+
+def _merge(parts: list[Path], rows: list[dict], out: Path, stats: RegenStats) -> None:
+    """Write the finished rows of all parts to `out` in input order (atomically), dropping skip markers."""
+    queues: dict[str, deque] = {}
+    for p in parts:
+        with open(p, encoding="utf-8") as f:
+            for line in f:
+                rec = json.loads(line)
+                queues.setdefault(rec["id"], deque()).append(rec)
+    tmp = out.with_name(out.name + ".merging")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            rec = queues[r["id"]].popleft()
+            if "_skipped" in rec:
+                stats.skipped[rec["_skipped"]] += 1
+            else:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                stats.written += 1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+
+
+# ---- entry point -----------------------------------------------------------------------------------------
+
+
+def _check_out(out: Path) -> None:
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; give a file path ending in .jsonl")
+    if out.suffix != ".jsonl":
+        raise ValueError(f"--out {out}: use a .jsonl name so that data.train_files can read it back")
+    if out.exists():
+        raise ValueError(f"--out {out} already exists; delete it or choose another path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _load(recipe, world: int):
+    """The recipe's conversations (read as training reads them) and the frozen target."""
+    from transformers import AutoTokenizer
+
+    from spectrain.data import load_conversations
+    from spectrain.target import load_target
+
+    t = recipe.target
+    tok = AutoTokenizer.from_pretrained(t.name_or_path, trust_remote_code=t.trust_remote_code)
+    if not getattr(tok, "chat_template", None):  # checked before loading the weights
+        raise ValueError(f"target {t.name_or_path!r} has no chat template, so prompts cannot be built: use an "
+                         "instruct/chat model or add chat_template to its tokenizer_config.json")
+    rows, report = load_conversations(recipe.data.train_files, recipe.data.format, recipe.data.max_rows)
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() and world > 1 else None
+    target = load_target(t.name_or_path, dtype=t.dtype, device=device, device_map=t.device_map or None,
+                         trust_remote_code=t.trust_remote_code)
+    return rows, report, target
+
+
+def regenerate(recipe_path: str, overrides: list[str], out: str | Path, cfg: RegenConfig) -> RegenStats:
+    """Write the regenerated conversations of a recipe's data to `out` (see the module doc)."""
+    from spectrain.recipe import load_recipe
+
+    cfg.validate()
+    out = Path(out)
+    _check_out(out)
+    recipe = load_recipe(recipe_path, overrides)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rows, report, target = _load(recipe, world)
+    rows = rows[: cfg.n] if cfg.n else rows
+    stats = RegenStats()
+    meta = {"target": recipe.target.name_or_path, "dtype": recipe.target.dtype, "format": recipe.data.format,
+            "train_files": list(recipe.data.train_files), "max_rows": recipe.data.max_rows,
+            "world_size": world, **asdict(cfg)}
+    part = out.with_name(f"{out.name}.rank{rank}.tmp" if world > 1 else f"{out.name}.tmp")
+    marker = part.with_suffix(".done")
+    marker.unlink(missing_ok=True)
+    _check_meta(part, meta)
+    _write_part(target, rows[rank::world], part, cfg, stats)
+    marker.write_text(json.dumps(meta))
+    if rank != 0:
+        print(f"regenerate: rank {rank} done ({len(rows[rank::world])} rows); rank 0 merges", flush=True)
+        return stats
+    parts = [out.with_name(f"{out.name}.rank{r}.tmp") for r in range(world)] if world > 1 else [part]
+    for p in parts:  # other ranks finish at their own pace; a file marker needs no process-group timeout
+        m = p.with_suffix(".done")
+        while not (m.exists() and json.loads(m.read_text() or "{}") == meta):
+            time.sleep(5)
+    _merge(parts, rows, out, stats)
+    for p in parts:
+        for q in (p, p.with_suffix(".done"), p.with_name(p.name + ".meta.json")):
+            q.unlink(missing_ok=True)
+    stats.skipped.update({f"malformed input: {k}": v for k, v in report.skipped.items()})
+    print("\n".join(stats.lines()) + f"\nregenerate: wrote {out}", flush=True)
+    return stats
+
+
+def add_regenerate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--out", required=True, help="output .jsonl (rows {id, messages}; usable as data.train_files)")
+    p.add_argument("--n", type=int, default=None, help="only the first N conversations (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="cap per answer (default 512); kept if hit")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (a row's stream: seed, id, turn)")
+    p.add_argument("--batch-size", type=int, default=8, help="conversations decoded together (default 8)")
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                      batch_size=args.batch_size, n=args.n)
+    regenerate(args.recipe, args.overrides, args.out, cfg)
+    return 0

@@ -1,0 +1,210 @@
+"""`spectrain regenerate`: target-answered conversations, checked against HF generate, read back by training,
+resumed after a real interruption, seeded sampling, multi-rank merge, and the bad-input errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spectrain import regenerate as rg
+from spectrain.regenerate import RegenConfig, regenerate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_distributed import build_tiny_assets, write_recipe  # noqa: E402
+
+M = 8  # max new tokens: short answers keep every test at a few seconds
+TEMPLATE = (  # the tiny tokenizer's template plus a system role
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ 'System: ' + m['content'] + '\n' }}"
+    "{% elif m['role'] == 'user' %}{{ '<|user|>\n' + m['content'] + '<|end|>\n' }}"
+    "{% else %}{{ '<|assistant|>\n' + m['content'] + '<|end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+LONG = "repeat: " + " ".join(["red green blue cat dog sun moon tree"] * 40)  # > 256 - M tokens
+
+
+def _msgs(*turns: tuple[str, str]) -> list[dict]:
+    return [{"role": r, "content": c} for r, c in turns]
+
+
+ROWS = [
+    {"id": "two-turn", "messages": _msgs(("system", "Be brief."), ("user", "repeat: red cat"), ("assistant", "red cat ."),
+                                         ("user", "repeat: sun moon tree"), ("assistant", "sun moon tree ."))},
+    {"id": "one", "messages": _msgs(("user", "repeat: one two three four five six"), ("assistant", "x"))},
+    {"conversations": [{"from": "human", "value": "repeat: dog"}, {"from": "gpt", "value": "dog ."}]},  # no id
+    {"id": "too-long", "messages": _msgs(("user", LONG), ("assistant", "x"))},
+    {"id": "cut-later", "messages": _msgs(("user", "repeat: blue"), ("assistant", "blue ."), ("user", LONG),
+                                          ("assistant", "x"))},
+    {"id": "no-answer", "messages": _msgs(("user", "repeat: stone"))},  # malformed for training: skipped
+    {"id": "c5", "messages": _msgs(("user", "repeat: river stone one"), ("assistant", "river ."))},
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("regen")
+    assets = build_tiny_assets(root, n_rows=16)
+    (assets["target"] / "chat_template.jinja").write_text(TEMPLATE)
+    data = root / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS) + "{not json\n")
+    assets["data"] = data
+    return {"root": root, "assets": assets, "recipe": write_recipe(root, assets, "regen")}
+
+
+def _run(setup, name: str, recipe=None, overrides=(), **kw) -> tuple[Path, rg.RegenStats]:
+    out = setup["root"] / "out" / f"{name}.jsonl"
+    kw = {"max_new_tokens": M, "batch_size": 3, **kw}
+    stats = regenerate(str(recipe or setup["recipe"]), list(overrides), out, RegenConfig(**kw))
+    return out, stats
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def greedy(setup) -> tuple[Path, rg.RegenStats]:
+    return _run(setup, "greedy")
+
+
+def test_answers_equal_hf_greedy_generate_turn_by_turn(setup, greedy):
+    from spectrain.target import load_target
+
+    out, stats = greedy
+    target = load_target(str(setup["assets"]["target"]), dtype="float32", device="cpu")
+    tok, stop = target.tokenizer, sorted(rg.stop_token_ids(target))
+    assert tok.eos_token_id in stop
+    rows = _rows(out)
+    by_id = {r.get("id"): r for r in ROWS}
+    assert [r["id"] for r in rows][:2] == ["two-turn", "one"] and len(rows) == 5
+    checked = 0
+    for row in rows:
+        src = by_id.get(row["id"])
+        if src is not None:  # system / user turns are unchanged and in place
+            kept = [m for m in row["messages"] if m["role"] != "assistant"]
+            assert kept == [m for m in src["messages"] if m["role"] != "assistant"][: len(kept)]
+        for j, m in enumerate(row["messages"]):
+            if m["role"] != "assistant":
+                continue
+            text = tok.apply_chat_template(row["messages"][:j], tokenize=False, add_generation_prompt=True)
+            ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+            gen = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=M,
+                                        eos_token_id=stop, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+            if gen and gen[-1] in stop:
+                gen = gen[:-1]
+            assert m["content"] == tok.decode(gen, skip_special_tokens=False), (row["id"], j)
+            checked += 1
+    assert checked == 6  # two-turn x2, one, the ShareGPT row, cut-later's first turn, c5
+    assert stats.answers == 6 and stats.written == 5 and stats.shortened == 1
+
+
+def test_skips_are_counted_and_row_ids_kept(greedy):
+    out, stats = greedy
+    rows = {r["id"]: r for r in _rows(out)}
+    assert "too-long" not in rows and [m["role"] for m in rows["cut-later"]["messages"]] == ["user", "assistant"]
+    sharegpt = next(r for k, r in rows.items() if k not in {"two-turn", "one", "cut-later", "c5"})
+    assert len(sharegpt["id"]) == 16  # the stable hash data.py gives rows without an id
+    assert sum(v for k, v in stats.skipped.items() if k.startswith("first turn: prompt longer")) == 1
+    assert stats.skipped["malformed input: no assistant turn"] == 1
+    assert stats.skipped["malformed input: malformed JSON line"] == 1
+    assert stats.truncated <= stats.answers and stats.tokens >= stats.answers
+    assert not list(out.parent.glob("greedy.jsonl.*"))  # tmp, meta and marker files are gone
+
+
+def test_output_is_read_back_by_training(setup, greedy):
+    from transformers import AutoTokenizer
+
+    from spectrain.data import build_dataset
+    from spectrain.recipe import DataConfig
+
+    out, _ = greedy
+    tok = AutoTokenizer.from_pretrained(setup["assets"]["target"])
+    cfg = DataConfig(train_files=[str(out)], max_length=256, heldout_fraction=0.0, cache_dir=str(setup["root"]))
+    ds = build_dataset(cfg, tok, "train", use_cache=False, verbose=False)
+    assert len(ds) == 5 and ds.report.skipped == {}
+    first = _rows(out)[0]["messages"]
+    masked = tok.decode(ds[0]["input_ids"][ds[0]["loss_mask"].bool()])
+    assert first[2]["content"] in masked and first[4]["content"] in masked  # training sees the target's text
+
+
+def test_resume_after_interruption_gives_the_same_file(setup, greedy, monkeypatch):
+    real, calls = rg.regenerate_batch, []
+
+    def dies_on_second_batch(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(rg, "regenerate_batch", dies_on_second_batch)
+    with pytest.raises(KeyboardInterrupt):
+        _run(setup, "resumed")
+    monkeypatch.setattr(rg, "regenerate_batch", real)
+    tmp = setup["root"] / "out" / "resumed.jsonl.tmp"
+    assert len(tmp.read_text().splitlines()) == 3 and not (setup["root"] / "out" / "resumed.jsonl").exists()
+    with open(tmp, "a") as f:
+        f.write('{"id": "c5", "messa')  # a write torn by the kill
+    out, stats = _run(setup, "resumed")
+    assert stats.resumed == 3 and stats.answers < greedy[1].answers
+    assert out.read_bytes() == greedy[0].read_bytes()
+
+
+def test_resume_refuses_other_settings(setup, monkeypatch):
+    monkeypatch.setattr(rg, "regenerate_batch", lambda *a, **kw: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        _run(setup, "changed")
+    with pytest.raises(ValueError, match="other settings.*temperature"):
+        _run(setup, "changed", temperature=1.0)
+
+
+def test_sampling_is_seeded_and_differs_from_greedy(setup, greedy):
+    a, _ = _run(setup, "t-a", temperature=3.0, seed=1)
+    b, _ = _run(setup, "t-b", temperature=3.0, seed=1, batch_size=1)  # per-row streams: batching is irrelevant
+    c, _ = _run(setup, "t-c", temperature=3.0, seed=2)
+    assert a.read_bytes() == b.read_bytes()
+    assert a.read_bytes() != greedy[0].read_bytes() and a.read_bytes() != c.read_bytes()
+
+
+def test_two_ranks_merge_in_input_order(setup, greedy, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    out, _ = _run(setup, "ranks")
+    assert not out.exists() and (out.parent / "ranks.jsonl.rank1.done").exists()
+    monkeypatch.setenv("RANK", "0")
+    out, stats = _run(setup, "ranks")
+    assert out.read_bytes() == greedy[0].read_bytes() and stats.written == 5
+    assert not list(out.parent.glob("ranks.jsonl.*"))
+
+
+def test_generation_stops_at_a_stop_token(setup):
+    from spectrain.target import load_target
+
+    target = load_target(str(setup["assets"]["target"]), dtype="float32", device="cpu")
+    prompt = target.tokenizer("<s><|user|>\nrepeat: red<|end|>\n<|assistant|>\n", add_special_tokens=False)["input_ids"]
+    ((free, truncated),) = rg.generate_batch(target, [prompt], [0], M, 0.0, set())
+    assert truncated and len(free) == M
+    ((cut, truncated),) = rg.generate_batch(target, [prompt], [0], M, 0.0, {free[3]})
+    assert not truncated and cut == free[: free.index(free[3])]
+
+
+def test_bad_input_errors(setup, tmp_path):
+    with pytest.raises(ValueError, match="--n 0"):
+        _run(setup, "e1", n=0)
+    with pytest.raises(ValueError, match="is a directory"):
+        regenerate(str(setup["recipe"]), [], tmp_path, RegenConfig())
+    with pytest.raises(FileNotFoundError, match="data file not found"):
+        _run(setup, "e2", overrides=[f"data.train_files=[{tmp_path}/missing.jsonl]"])
+    bare = tmp_path / "bare-target"
+    shutil.copytree(setup["assets"]["target"], bare)
+    (bare / "chat_template.jinja").unlink()
+    with pytest.raises(ValueError, match="no chat template.*chat_template"):
+        _run(setup, "e3", overrides=[f"target.name_or_path={bare}"])
+    done = setup["root"] / "out" / "exists.jsonl"
+    done.write_text("")
+    with pytest.raises(ValueError, match="already exists"):
+        _run(setup, "exists")
