@@ -26,6 +26,7 @@ Rows keep their ids, so the held-out split (a hash of the id) is the same on the
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import inspect
 import json
@@ -60,6 +61,9 @@ class RegenConfig:
         return self
 
 
+_RANK_COUNTS = ("resumed", "shortened", "answers", "truncated", "tokens", "gen_time_s")
+
+
 @dataclass
 class RegenStats:
     written: int = 0  # rows in the final file (including resumed ones)
@@ -69,14 +73,15 @@ class RegenStats:
     answers: int = 0
     truncated: int = 0  # answers that hit max_new_tokens (kept)
     tokens: int = 0  # generated tokens, stop tokens included
-    gen_time_s: float = 0.0
+    gen_time_s: float = 0.0  # inside generation (tokens/s uses this)
+    wall_s: float = 0.0  # the whole command: loading, templating, generation, files
 
     def lines(self) -> list[str]:
         tps = self.tokens / self.gen_time_s if self.gen_time_s > 0 else 0.0
         out = [f"regenerate: {self.written} rows written ({self.resumed} from an earlier run), "
                f"{sum(self.skipped.values())} skipped, {self.shortened} shortened",
                f"  answers {self.answers}, truncated at max_new_tokens {self.truncated}, tokens generated "
-               f"{self.tokens} in {self.gen_time_s:.1f}s = {tps:.1f} tokens/s"]
+               f"{self.tokens} in {self.gen_time_s:.1f}s = {tps:.1f} tokens/s; wall {self.wall_s:.1f}s"]
         return out + [f"  skipped {n:6d}  {why}" for why, n in self.skipped.most_common()]
 
 
@@ -108,9 +113,14 @@ def _row_seed(seed: int, row_id: str, turn: int) -> int:
 def _last_logits(target, ids, attn, pos, cache) -> torch.Tensor:
     kw = {"attention_mask": attn, "position_ids": pos, getattr(target, "_cache_kw", "past_key_values"): cache,
           "use_cache": True}
-    if "logits_to_keep" in inspect.signature(target.model.forward).parameters:
+    if _takes_logits_to_keep(type(target.model)):
         kw["logits_to_keep"] = 1  # the prefill would otherwise project every prompt position onto the vocab
     return target.model(ids, **kw).logits[:, -1].float()
+
+
+@functools.cache
+def _takes_logits_to_keep(model_cls: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
 
 
 @torch.no_grad()
@@ -160,7 +170,7 @@ def _prompt_ids(tok, messages: list[dict]) -> list[int]:
 
 
 def regenerate_batch(target, rows: list[dict], cfg: RegenConfig, stop: set[int], stats: RegenStats
-                     ) -> list[dict | None]:
+                     ) -> list[dict]:
     """Answer every assistant turn of `rows`, turn by turn across the batch; a skipped row becomes
     {"id", "_skipped": reason}."""
     tok, limit = target.tokenizer, target.max_positions
@@ -339,6 +349,7 @@ def regenerate(recipe_path: str, overrides: list[str], out: str | Path, cfg: Reg
     """Write the regenerated conversations of a recipe's data to `out` (see the module doc)."""
     from spectrain.recipe import load_recipe
 
+    t_start = time.perf_counter()
     cfg.validate()
     out = Path(out)
     _check_out(out)
@@ -355,20 +366,24 @@ def regenerate(recipe_path: str, overrides: list[str], out: str | Path, cfg: Reg
     marker.unlink(missing_ok=True)
     _check_meta(part, meta)
     _write_part(target, rows[rank::world], part, cfg, stats)
-    marker.write_text(json.dumps(meta))
+    counts = {k: getattr(stats, k) for k in _RANK_COUNTS}
+    marker.write_text(json.dumps({"meta": meta, "counts": counts}))  # written last: this part is complete
     if rank != 0:
         print(f"regenerate: rank {rank} done ({len(rows[rank::world])} rows); rank 0 merges", flush=True)
         return stats
     parts = [out.with_name(f"{out.name}.rank{r}.tmp") for r in range(world)] if world > 1 else [part]
-    for p in parts:  # other ranks finish at their own pace; a file marker needs no process-group timeout
+    for p in parts[1:]:  # other ranks finish at their own pace; a file marker needs no process-group timeout
         m = p.with_suffix(".done")
-        while not (m.exists() and json.loads(m.read_text() or "{}") == meta):
+        while not (m.exists() and json.loads(m.read_text() or "{}").get("meta") == meta):
             time.sleep(5)
+        for k, v in json.loads(m.read_text())["counts"].items():  # ranks run in parallel: time is the max
+            setattr(stats, k, max(v, stats.gen_time_s) if k == "gen_time_s" else getattr(stats, k) + v)
     _merge(parts, rows, out, stats)
     for p in parts:
         for q in (p, p.with_suffix(".done"), p.with_name(p.name + ".meta.json")):
             q.unlink(missing_ok=True)
     stats.skipped.update({f"malformed input: {k}": v for k, v in report.skipped.items()})
+    stats.wall_s = time.perf_counter() - t_start
     print("\n".join(stats.lines()) + f"\nregenerate: wrote {out}", flush=True)
     return stats
 

@@ -195,12 +195,12 @@ def test_greedy_chain_and_tree_equal_generate(arch, tied, tmp_path):
 def _e2e_counts(n: int, broken: bool, monkeypatch) -> tuple[float, float]:
     from test_sampling_exact import _e2e_models, chi_square_pvalue, e2e_counts, e2e_exact
 
-    import spectrain.decoding as dec
+    import spectrain.acceptance as acceptance
 
     target, _ = _e2e_models()  # vocab 3: every 3-token outcome is enumerable
     drafter = MedusaProposer(make_heads(target, num_heads=2, perturb=0.5), target)
     if broken:
-        monkeypatch.setattr(dec, "_RESIDUAL_FROM_P", True)
+        monkeypatch.setattr(acceptance, "_RESIDUAL_FROM_P", True)
     prompt, temp = [1, 2], 1.0
     counts, stats = e2e_counts(target, drafter, prompt, n, temp, {"topk": 2, "total_tokens": 4})
     return chi_square_pvalue(counts, e2e_exact(target, prompt, temp), n), stats.acceptance_rate

@@ -178,6 +178,7 @@ def test_two_ranks_merge_in_input_order(setup, greedy, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     out, stats = _run(setup, "ranks")
     assert out.read_bytes() == greedy[0].read_bytes() and stats.written == 5
+    assert stats.answers == greedy[1].answers and stats.tokens == greedy[1].tokens  # rank 1's counts included
     assert not list(out.parent.glob("ranks.jsonl.*"))
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import make_tiny_model, make_tiny_target
 
+import spectrain.acceptance as acceptance
 import spectrain.decoding as dec
 from spectrain.drafters.base import Proposal
 from spectrain.drafters.draft_lm import DraftLMDrafter
@@ -92,7 +93,7 @@ def one_step_chain(seq, n, sampler):
         qs.append(q)
     logits = torch.stack([TARGET.logits(seq + drafts[:i]) for i in range(n + 1)])
     prop = Proposal(tokens=torch.tensor(drafts), probs=torch.stack(qs)) if n else None
-    return dec._accept_chain(logits, prop, sampler)[1]
+    return acceptance.accept_chain(logits, prop, sampler)[1]
 
 
 def one_step_tree(seq, n, sampler, mode, flag):
@@ -114,7 +115,7 @@ def one_step_tree(seq, n, sampler, mode, flag):
     logits = torch.stack([TARGET.logits(seq)] + [TARGET.logits(p) for p in prefixes])
     prop = Proposal(tokens=torch.tensor(toks), parents=torch.tensor(parents),
                     probs=None if mode == "topk" else torch.stack(probs), without_replacement=flag)
-    return dec._accept_tree(logits, prop, sampler)[1]
+    return acceptance.accept_tree(logits, prop, sampler)[1]
 
 
 def simulate(n_samples: int, k: int, tree_mode: str | None = None, flag: bool = False) -> dict:
@@ -141,7 +142,7 @@ def test_verifier_is_exact_and_broken_variants_are_caught(case, monkeypatch):
     exact = exact_table()
     counts = simulate(N_SYNTH, k=2, tree_mode=mode, flag=flag)
     assert chi_square_pvalue(counts, exact, N_SYNTH) > 1e-3, name
-    monkeypatch.setattr(dec, "_RESIDUAL_FROM_P", True)  # resample from p instead of the residual
+    monkeypatch.setattr(acceptance, "_RESIDUAL_FROM_P", True)  # resample from p instead of the residual
     broken = simulate(N_SYNTH, k=2, tree_mode=mode, flag=flag)
     assert chi_square_pvalue(broken, exact, N_SYNTH) < 1e-6, name
 
@@ -194,6 +195,6 @@ def test_end_to_end_sampling_is_exact(tree):
 def test_end_to_end_broken_residual_is_caught(monkeypatch):
     target, draft = _e2e_models()
     prompt, temp, n = [1, 2], 1.3, 1500
-    monkeypatch.setattr(dec, "_RESIDUAL_FROM_P", True)
+    monkeypatch.setattr(acceptance, "_RESIDUAL_FROM_P", True)
     counts, _ = e2e_counts(target, DraftLMDrafter(draft, target), prompt, n, temp)
     assert chi_square_pvalue(counts, e2e_exact(target, prompt, temp), n) < 1e-4
