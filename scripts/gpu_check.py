@@ -2,7 +2,7 @@
 tokens/s of a finished tiny run, and greedy losslessness of speculative decoding on the device.
 
     python scripts/gpu_check.py synthetic --out DIR [--steps 30] [--seq 2048] [--micro 4]
-    python scripts/gpu_check.py tiny-report --run runs/tiny-eagle3 --out DIR
+    python scripts/gpu_check.py tiny-report --run runs/tiny-eagle3 --out DIR     # -> DIR/tiny_train_<kind>.json
     python scripts/gpu_check.py lossless --out DIR [--target assets/reference-target] [--drafter DIR ...]
     python scripts/gpu_check.py summary --out DIR
     # CPU dry run of the same code paths (seconds; numbers meaningless):
@@ -163,11 +163,13 @@ def cmd_tiny_report(a) -> int:
 
     recipe_file = Path(a.run) / "recipe.yaml"
     precision = yaml.safe_load(recipe_file.read_text())["training"]["precision"] if recipe_file.is_file() else None
-    rec = {"device": _device_name(a.device), "run": str(a.run), "precision": precision, "steps": len(steps),
+    kind = yaml.safe_load(recipe_file.read_text())["drafter"]["kind"] if recipe_file.is_file() else "unknown"
+    rec = {"device": _device_name(a.device), "run": str(a.run), "kind": kind, "precision": precision,
+           "steps": len(steps),
            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
            "first_loss": steps[0]["loss"], "last_loss": steps[-1]["loss"],
            "last_heldout_sim_tau_proxy": evals[-1].get("eval/sim_tau_proxy") if evals else None}
-    _write(a.out, "tiny_train", rec)
+    _write(a.out, f"tiny_train_{kind}", rec)
     return 0
 
 
@@ -258,12 +260,14 @@ def cmd_summary(a) -> int:
         return json.loads(f.read_text()) if f.is_file() else None
 
     lines = ["# spectrain GPU check", ""]
-    tiny, syn, lo = load("tiny_train"), load("synthetic"), load("lossless")
-    if tiny:
-        lines.append(f"- tiny EAGLE-3 recipe, 1 process, {tiny['precision']}, {tiny['device']}: "
+    tinies = [json.loads(f.read_text()) for f in sorted(a.out.glob("tiny_train_*.json"))]
+    syn, lo = load("synthetic"), load("lossless")
+    for tiny in tinies:
+        tau = tiny.get("last_heldout_sim_tau_proxy")
+        lines.append(f"- tiny {tiny['kind']} recipe, 1 process, {tiny['precision']}, {tiny['device']}: "
                      f"{tiny['median_tokens_per_s']:.0f} "
                      f"tokens/s (median over {tiny['steps']} steps, warm-up excluded); loss {tiny['first_loss']:.3f} "
-                     f"-> {tiny['last_loss']:.3f}")
+                     f"-> {tiny['last_loss']:.3f}" + (f"; held-out sim_tau (proxy) {tau:.2f}" if tau else ""))
     if syn:
         lines.append(f"- synthetic {syn['size']} Llama target ({syn['flops']['params']['target_total'] / 1e9:.2f}B "
                      f"params), EAGLE-3 step, micro {syn['micro_batch']} x seq {syn['seq']}, TTT {syn['ttt_steps']}: "
@@ -275,7 +279,7 @@ def cmd_summary(a) -> int:
             verdict = "identical" if r["identical"] else f"{len(r['mismatches'])} prompt(s) diverge"
             lines.append(f"- greedy losslessness, {r['dtype']}, drafter {r['drafter']}: {verdict} over "
                          f"{r['tokens_compared']} tokens ({'required' if r['required'] else 'informational'})")
-    missing = [n for n, v in (("tiny_train", tiny), ("synthetic", syn), ("lossless", lo)) if v is None]
+    missing = [n for n, v in (("tiny_train", tinies), ("synthetic", syn), ("lossless", lo)) if not v]
     if missing:
         lines.append(f"- not produced (see the .log files): {', '.join(missing)}")
     (a.out / "summary.md").write_text("\n".join(lines) + "\n")

@@ -6,12 +6,12 @@
 #   GPU_CHECK_DEVICE=cpu bash scripts/gpu_check.sh # dry run of every step on CPU (tiny sizes, numbers meaningless)
 #
 # Steps (each logs to RESULTS/<step>.log; one failing step does not stop the others):
-#   1. tiny_train  recipes/tiny/eagle3.yaml on the device, bf16, 1 process, TINY_STEPS optimizer steps
-#                  -> tokens/s (needs assets/reference-target; skipped with a note if absent)
+#   1. tiny_train  recipes/tiny/{eagle3,medusa,draft}.yaml on the device, bf16, 1 process, TINY_STEPS
+#                  optimizer steps each -> tokens/s (needs assets/reference-target; skipped if absent)
 #   2. synthetic   a random-weight Llama with Llama-3.2-1B's shape (1.24B params) built in-process;
 #                  EAGLE-3 training steps through spectrain.train -> tokens/s, TFLOP/s and MFU
 #                  (formula in scripts/gpu_check.py; peak 989 TFLOP/s bf16 dense, override with PEAK)
-#   3. lossless    greedy speculative decoding (n-gram drafter, and the step-1 EAGLE-3 head) against
+#   3. lossless    greedy speculative decoding (n-gram drafter and the three step-1 drafters) against
 #                  HF generate(do_sample=False) on the device: fp32 must match token for token; bf16
 #                  divergences are reported (batched verification can round a near-tie differently)
 #   4. summary     RESULTS/summary.md from the JSON files; exit status 1 if any step failed
@@ -29,9 +29,9 @@ if [ "$DEVICE" = "cuda" ]; then
         exit 2
     fi
     export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"  # one process, one GPU
-    TINY_STEPS="${TINY_STEPS:-300}"
+    TINY_STEPS="${TINY_STEPS:-200}"
     SYN_ARGS=(--size 1b --steps "${SYN_STEPS:-30}" --seq 2048 --micro 4 --ttt 7 --peak "$PEAK")
-    LOSSLESS_ARGS=(--prompts 6 --max-new 64 --k 5)
+    LOSSLESS_ARGS=(--prompts 6 --max-new 64 --k 4)  # k <= the tiny Medusa recipe's 4 heads
     PRECISION=bf16
     nvidia-smi > "$RESULTS/nvidia-smi.txt" 2>&1 || true
 else
@@ -57,14 +57,20 @@ run_step() {  # run_step NAME TIMEOUT_S CMD...: log to RESULTS/NAME.log, remembe
     fi
 }
 
-# 1. tiny recipe on the device
-TINY_RUN="$RESULTS/tiny-eagle3"
+# 1. the tiny recipes on the device
+DRAFTERS=()
 if [ -f assets/reference-target/config.json ]; then
-    rm -rf "$TINY_RUN" "$RESULTS/tiny_train.log"
-    run_step tiny_train 900 python scripts/train.py recipes/tiny/eagle3.yaml \
-        "training.max_steps=$TINY_STEPS" "training.precision=$PRECISION" training.eval_every=100 \
-        training.checkpoint_every=0 training.resume_from= "tracking.report_to=[jsonl]" "output_dir=$TINY_RUN"
-    run_step tiny_train 60 python scripts/gpu_check.py tiny-report --run "$TINY_RUN" --out "$RESULTS" --device "$DEVICE"
+    rm -f "$RESULTS"/tiny_train*.log "$RESULTS"/tiny_train_*.json
+    for fam in eagle3 medusa draft; do
+        run="$RESULTS/tiny-$fam"
+        rm -rf "$run"
+        run_step tiny_train_$fam 600 python scripts/train.py "recipes/tiny/$fam.yaml" \
+            "training.max_steps=$TINY_STEPS" "training.precision=$PRECISION" training.eval_every=100 \
+            training.checkpoint_every=0 training.resume_from= "tracking.report_to=[jsonl]" "output_dir=$run"
+        run_step tiny_train_$fam 60 python scripts/gpu_check.py tiny-report --run "$run" --out "$RESULTS" \
+            --device "$DEVICE"
+        if [ -d "$run/last" ]; then DRAFTERS+=(--drafter "$run/last"); fi
+    done
 else
     echo "gpu_check: tiny_train skipped: assets/reference-target is missing (python scripts/build_reference_target.py)" \
         | tee "$RESULTS/tiny_train.log"
@@ -75,10 +81,6 @@ rm -rf "$RESULTS/synthetic-run" "$RESULTS/synthetic.log"
 run_step synthetic 900 python scripts/gpu_check.py synthetic --out "$RESULTS" --device "$DEVICE" "${SYN_ARGS[@]}"
 
 # 3. greedy losslessness on the device
-DRAFTERS=()
-if [ -d "$TINY_RUN/last" ]; then
-    DRAFTERS=(--drafter "$TINY_RUN/last")
-fi
 rm -f "$RESULTS/lossless.log"
 run_step lossless 900 python scripts/gpu_check.py lossless --out "$RESULTS" --device "$DEVICE" \
     --target assets/reference-target "${LOSSLESS_ARGS[@]}" "${DRAFTERS[@]}"
