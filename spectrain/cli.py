@@ -19,6 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_cmd(sub, "check", "validate a recipe, load target config/tokenizer/data sample, print it")
     _recipe_cmd(sub, "train", "train the recipe's drafter (single process or under accelerate launch)")
     _recipe_cmd(sub, "prepare-features", "write the offline target-feature cache for a recipe")
+    from spectrain.regenerate import add_regenerate_args
+
+    add_regenerate_args(_recipe_cmd(sub, "regenerate", "answer the recipe's prompts with the frozen target "
+                                    "(self-distillation data as JSONL)"))
     from spectrain.evaluate import add_eval_args
 
     add_eval_args(sub.add_parser("eval", help="lossless speculative decoding over prompt sets + report"))
@@ -40,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
             from spectrain.features import main as features_main
 
             return features_main(args.recipe, args.overrides)
+        if args.command == "regenerate":
+            from spectrain.regenerate import main as regenerate_main
+
+            return regenerate_main(args)
         if args.command == "eval":
             from spectrain.evaluate import main as eval_main
 

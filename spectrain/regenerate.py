@@ -3,24 +3,20 @@
     spectrain regenerate recipes/tiny/eagle3.yaml --out data/regen/chat_mix.jsonl --max-new-tokens 256
     spectrain train recipes/tiny/eagle3.yaml data.train_files=[data/regen/chat_mix.jsonl]
 
-Conversations are read exactly as training reads them (``spectrain.data.load_conversations``: same
-formats, bad-row handling and ``data.max_rows``). System and user turns are kept; every assistant turn
-is replaced by the target's own answer, turn by turn: turn j's prompt is the conversation so far (with
-the earlier *regenerated* answers) rendered by the chat template with ``add_generation_prompt=True``.
-Rows keep their ids, so the held-out split (a hash of the id) is the same on the regenerated file.
+Rows are read exactly as training reads them (``data.load_conversations``: formats, bad-row handling,
+``data.max_rows``). System/user turns are kept; each assistant turn is replaced by the target's answer
+to the conversation so far (earlier turns already regenerated), rendered by the chat template with
+``add_generation_prompt=True``. Ids are kept, so the held-out split (an id hash) is unchanged.
 
-- Decoding: greedy (temperature 0) or sampled; a row's random stream is seeded from (seed, id, turn),
-  so its answer does not depend on which rows share its batch or on where a run was resumed.
-- Batches are fixed chunks of the input order (left-padded, KV-cached, one forward per token): the
-  same batches on every run, so floating-point results are identical after a resume too.
-- Stops at the eos ids the decoder uses (``decoding._resolve_eos``) plus the chat template's
-  end-of-turn token; answers that hit --max-new-tokens are kept and counted as truncated.
-- Resumable and atomic: rows go to FILE.tmp (flushed per batch) with the settings in FILE.tmp.meta.json;
-  a restart skips ids already there; FILE appears only once every row is done.
-- Under torchrun (WORLD_SIZE > 1) rank r answers rows i % world == r into FILE.rank{r}.tmp; rank 0 waits
-  for every rank's ``.done`` marker and merges them in input order.
-- A prompt that does not fit (max positions - max_new_tokens) skips the row when it is the first turn;
-  later it ends the conversation at the last answered turn ("shortened"). An empty answer does the same.
+- Greedy or sampled; a row's random stream is seeded by (seed, id, turn), so it does not depend on the
+  batch or on where a run resumed. Batches are fixed chunks of the input order (left-padded, KV-cached):
+  the same on every run, so a resumed run computes the same numbers.
+- Stop ids: the decoder's eos (``decoding._resolve_eos``) plus the template's end-of-turn token. Answers
+  that hit --max-new-tokens are kept and counted. A prompt over (max positions - max_new_tokens) or an
+  empty answer skips the row at its first turn and ends the conversation early at a later one.
+- Resumable, atomic: rows are appended to FILE.tmp (settings in FILE.tmp.meta.json), a restart skips the
+  rows already there, FILE appears when all are done. Under torchrun rank r answers rows i % world == r
+  into FILE.rank{r}.tmp and rank 0 merges them in input order once every rank's ``.done`` marker exists.
 """
 
 from __future__ import annotations
@@ -50,14 +46,12 @@ class RegenConfig:
     n: int | None = None  # None = every conversation
 
     def validate(self) -> RegenConfig:
-        if self.n is not None and self.n <= 0:
-            raise ValueError(f"--n {self.n}: must be a positive number of conversations (omit it for all)")
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"--max-new-tokens {self.max_new_tokens}: must be > 0")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature {self.temperature}: must be >= 0 (0 = greedy)")
-        if self.batch_size <= 0:
-            raise ValueError(f"--batch-size {self.batch_size}: must be > 0")
+        for bad, msg in ((self.n is not None and self.n <= 0, f"--n {self.n}: must be > 0 (omit it for all rows)"),
+                         (self.max_new_tokens <= 0, f"--max-new-tokens {self.max_new_tokens}: must be > 0"),
+                         (self.temperature < 0, f"--temperature {self.temperature}: must be >= 0 (0 = greedy)"),
+                         (self.batch_size <= 0, f"--batch-size {self.batch_size}: must be > 0")):
+            if bad:
+                raise ValueError(msg)
         return self
 
 
@@ -78,11 +72,11 @@ class RegenStats:
 
     def lines(self) -> list[str]:
         tps = self.tokens / self.gen_time_s if self.gen_time_s > 0 else 0.0
-        out = [f"regenerate: {self.written} rows written ({self.resumed} from an earlier run), "
-               f"{sum(self.skipped.values())} skipped, {self.shortened} shortened",
-               f"  answers {self.answers}, truncated at max_new_tokens {self.truncated}, tokens generated "
-               f"{self.tokens} in {self.gen_time_s:.1f}s = {tps:.1f} tokens/s; wall {self.wall_s:.1f}s"]
-        return out + [f"  skipped {n:6d}  {why}" for why, n in self.skipped.most_common()]
+        return [f"regenerate: {self.written} rows written ({self.resumed} from an earlier run), "
+                f"{sum(self.skipped.values())} skipped, {self.shortened} shortened",
+                f"  answers {self.answers}, truncated at max_new_tokens {self.truncated}, tokens generated "
+                f"{self.tokens} in {self.gen_time_s:.1f}s = {tps:.1f} tokens/s; wall {self.wall_s:.1f}s",
+                *(f"  skipped {n:6d}  {why}" for why, n in self.skipped.most_common())]
 
 
 # ---- generation ----------------------------------------------------------------------------------------
@@ -203,7 +197,8 @@ def regenerate_batch(target, rows: list[dict], cfg: RegenConfig, stop: set[int],
         stats.gen_time_s += time.perf_counter() - t0
         for k, (ids, truncated) in zip(active, answers):
             stats.tokens += len(ids) + (not truncated)
-            text = tok.decode(ids, skip_special_tokens=False)  # keep every token the target wrote
+            # Keep every token the target wrote, spaces included, so that training sees its exact text.
+            text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             if not text.strip():  # training drops rows with an empty turn; end the conversation before it
                 _stop_row(convs, todo, k, turn, "empty answer", stats)
                 continue
@@ -239,9 +234,11 @@ def _read_done(tmp: Path) -> Counter:
     with open(tmp, "rb") as f:
         for line in f:
             try:
+                if not line.endswith(b"\n"):  # every row is written with its newline in one call: torn
+                    raise ValueError
                 done[json.loads(line)["id"]] += 1
                 good += len(line)
-            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+            except (ValueError, KeyError, TypeError):  # JSON / UTF-8 errors are ValueErrors too
                 if f.read():  # damage before the end is not an interruption
                     raise ValueError(f"{tmp} is corrupt (bad line after {sum(done.values())} rows); delete it "
                                      "to start over") from None
@@ -326,7 +323,7 @@ def _check_out(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
-def _load(recipe, world: int):
+def _load(recipe, n: int | None, world: int):
     """The recipe's conversations (read as training reads them) and the frozen target."""
     from transformers import AutoTokenizer
 
@@ -338,7 +335,8 @@ def _load(recipe, world: int):
     if not getattr(tok, "chat_template", None):  # checked before loading the weights
         raise ValueError(f"target {t.name_or_path!r} has no chat template, so prompts cannot be built: use an "
                          "instruct/chat model or add chat_template to its tokenizer_config.json")
-    rows, report = load_conversations(recipe.data.train_files, recipe.data.format, recipe.data.max_rows)
+    limit = min(x for x in (n, recipe.data.max_rows) if x) if n or recipe.data.max_rows else 0
+    rows, report = load_conversations(recipe.data.train_files, recipe.data.format, limit)
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() and world > 1 else None
     target = load_target(t.name_or_path, dtype=t.dtype, device=device, device_map=t.device_map or None,
                          trust_remote_code=t.trust_remote_code)
@@ -355,8 +353,7 @@ def regenerate(recipe_path: str, overrides: list[str], out: str | Path, cfg: Reg
     _check_out(out)
     recipe = load_recipe(recipe_path, overrides)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    rows, report, target = _load(recipe, world)
-    rows = rows[: cfg.n] if cfg.n else rows
+    rows, report, target = _load(recipe, cfg.n, world)
     stats = RegenStats()
     meta = {"target": recipe.target.name_or_path, "dtype": recipe.target.dtype, "format": recipe.data.format,
             "train_files": list(recipe.data.train_files), "max_rows": recipe.data.max_rows,
@@ -401,5 +398,9 @@ def add_regenerate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                       batch_size=args.batch_size, n=args.n)
-    regenerate(args.recipe, args.overrides, args.out, cfg)
+    try:
+        regenerate(args.recipe, args.overrides, args.out, cfg)
+    except KeyboardInterrupt:
+        print(f"regenerate: interrupted; rerun the same command to resume from {args.out}.tmp", flush=True)
+        return 130
     return 0

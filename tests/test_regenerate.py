@@ -97,7 +97,8 @@ def test_answers_equal_hf_greedy_generate_turn_by_turn(setup, greedy):
                                         eos_token_id=stop, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
             if gen and gen[-1] in stop:
                 gen = gen[:-1]
-            assert m["content"] == tok.decode(gen, skip_special_tokens=False), (row["id"], j)
+            text = tok.decode(gen, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            assert m["content"] == text, (row["id"], j)
             checked += 1
     assert checked == 6  # two-turn x2, one, the ShareGPT row, cut-later's first turn, c5
     assert stats.answers == 6 and stats.written == 5 and stats.shortened == 1
@@ -209,3 +210,63 @@ def test_bad_input_errors(setup, tmp_path):
     done.write_text("")
     with pytest.raises(ValueError, match="already exists"):
         _run(setup, "exists")
+
+
+def test_stop_ids_include_the_templates_end_of_turn_token():
+    from types import SimpleNamespace
+
+    from test_data import CHATML, make_tokenizer
+
+    tok = make_tokenizer(CHATML, "<|begin_of_text|>")  # a base-model eos that is not the end-of-turn token
+    fake = SimpleNamespace(model=SimpleNamespace(), config=SimpleNamespace(eos_token_id=None), tokenizer=tok)
+    assert rg.stop_token_ids(fake) == {tok.convert_tokens_to_ids("<|begin_of_text|>"),
+                                       tok.convert_tokens_to_ids("<|im_end|>")}
+
+
+def test_empty_answers_skip_or_shorten_rows(setup, monkeypatch):
+    real = rg.generate_batch
+
+    def empty_sometimes(target, prompts, seeds, *a):
+        # The target "answers" nothing to c5's first turn and to every later turn.
+        texts = [target.tokenizer.decode(p) for p in prompts]
+        empty = ["river" in t or t.count("<|assistant|>") > 1 for t in texts]
+        return [([], False) if e else r for e, r in zip(empty, real(target, prompts, seeds, *a))]
+
+    monkeypatch.setattr(rg, "generate_batch", empty_sometimes)
+    out, stats = _run(setup, "empty")
+    rows = {r["id"]: r for r in _rows(out)}
+    assert [m["role"] for m in rows["two-turn"]["messages"]] == ["system", "user", "assistant"]
+    assert "c5" not in rows and stats.skipped["first turn: empty answer"] == 1
+    assert stats.shortened == 2  # two-turn (empty second answer) and cut-later (over-long second prompt)
+    assert all(m["content"].strip() for r in rows.values() for m in r["messages"])  # nothing training drops
+
+
+def test_resume_with_repeated_ids_and_an_unterminated_last_line(setup, tmp_path):
+    data = tmp_path / "dup.jsonl"
+    rows = [{"id": "same", "messages": _msgs(("user", f"repeat: {w}"), ("assistant", "x"))}
+            for w in ("red", "green", "blue")]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ov = [f"data.train_files=[{data}]"]
+    full, _ = _run(setup, "dup-full", overrides=ov, batch_size=1)
+    lines = full.read_text().splitlines()
+    tmp = setup["root"] / "out" / "dup-part.jsonl.tmp"
+    tmp.write_text(lines[0] + "\n" + lines[1])  # second row complete but without its newline: torn
+    out, stats = _run(setup, "dup-part", overrides=ov, batch_size=1)
+    assert stats.resumed == 1 and stats.answers == 2
+    assert out.read_bytes() == full.read_bytes() and len(lines) == 3
+
+
+def test_command_line_arguments(setup):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*")
+    rg.add_regenerate_args(p)
+    out = setup["root"] / "out" / "cli.jsonl"
+    args = p.parse_args([str(setup["recipe"]), "data.max_rows=5", "--out", str(out), "--n", "2",
+                         "--max-new-tokens", "4", "--temperature", "0.5", "--seed", "3", "--batch-size", "2"])
+    assert rg.main(args) == 0
+    rows = _rows(out)
+    assert [r["id"] for r in rows] == ["two-turn", "one"]
+    assert all(len(m["content"]) > 0 for r in rows for m in r["messages"])
