@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     from spectrain.evaluate import add_eval_args
 
     add_eval_args(sub.add_parser("eval", help="lossless speculative decoding over prompt sets + report"))
+    from spectrain.export import add_export_args
+
+    add_export_args(sub.add_parser("export", help="write a serving-format directory (vLLM, SGLang, TensorRT-LLM, "
+                                   "HF draft) and validate it"))
     return parser
 
 
@@ -52,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
             from spectrain.evaluate import main as eval_main
 
             return eval_main(args)
+        if args.command == "export":
+            from spectrain.export import main as export_main
+
+            return export_main(args)
     except (ValueError, FileNotFoundError, OSError, KeyError) as e:
         # Bad input is reported as one clear line, not a traceback.
         print(f"spectrain {args.command}: error: {e}", file=sys.stderr)

@@ -1,0 +1,98 @@
+"""`spectrain export RUN_OR_CKPT --format F --out DIR [--target T] [--force]`: one pure function per
+serving format (``export_<fmt>(src_dir, out_dir, target_name) -> summary``) and one validator per format
+(``validate_<fmt>(out_dir) -> problems``) that re-reads the files and checks every tensor the config implies.
+
+| format          | for                                   | module     |
+|-----------------|---------------------------------------|------------|
+| `vllm-eagle3`   | vLLM (speculators format)             | eagle3.py  |
+| `sglang-eagle3` | SGLang, TensorRT-LLM (EAGLE-3 "HF")   | eagle3.py  |
+| `vllm-medusa`   | vLLM Medusa                           | medusa.py  |
+| `medusa`        | TensorRT-LLM / original Medusa        | medusa.py  |
+| `hf-draft`      | any engine's separate draft model     | hf_draft.py|
+
+Every exporter writes into a temporary sibling of ``out_dir``, validates it, and only then renames it into
+place: an invalid export never lands, and ``--force`` replaces an existing directory only with a valid one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from spectrain.export.common import ExportError, resolve_source
+from spectrain.export.eagle3 import (
+    export_sglang_eagle3,
+    export_vllm_eagle3,
+    validate_sglang_eagle3,
+    validate_vllm_eagle3,
+)
+from spectrain.export.hf_draft import export_hf_draft, validate_hf_draft
+from spectrain.export.medusa import export_medusa, export_vllm_medusa, validate_medusa, validate_vllm_medusa
+
+__all__ = ["FORMATS", "ExportError", "add_export_args", "export", "main", "resolve_source", "validate",
+           "export_vllm_eagle3", "export_sglang_eagle3", "export_vllm_medusa", "export_medusa",
+           "export_hf_draft", "validate_vllm_eagle3", "validate_sglang_eagle3", "validate_vllm_medusa",
+           "validate_medusa", "validate_hf_draft"]
+
+
+FORMATS: dict[str, tuple[Callable[..., dict], Callable[..., list[str]]]] = {
+    "vllm-eagle3": (export_vllm_eagle3, validate_vllm_eagle3),
+    "sglang-eagle3": (export_sglang_eagle3, validate_sglang_eagle3),
+    "vllm-medusa": (export_vllm_medusa, validate_vllm_medusa),
+    "medusa": (export_medusa, validate_medusa),
+    "hf-draft": (export_hf_draft, validate_hf_draft),
+}
+
+
+def _format(fmt: str) -> tuple[Callable[..., dict], Callable[..., list[str]]]:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    return FORMATS[fmt]
+
+
+def export(source, fmt: str, out, target: str | None = None, force: bool = False) -> dict:
+    """Resolve a run or checkpoint dir, export it as ``fmt`` into ``out`` (validated before it lands)."""
+    return _format(fmt)[0](resolve_source(source), Path(out), target, overwrite=force)
+
+
+def validate(fmt: str, out) -> list[str]:
+    return _format(fmt)[1](Path(out))
+
+
+def add_export_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("source", help="run dir (its best/, else last/) or checkpoint dir with drafter_config.json; "
+                                  "with --validate-only: an exported directory")
+    p.add_argument("--format", required=True, choices=list(FORMATS), help="serving format")
+    p.add_argument("--out", help="output directory (must not exist unless --force)")
+    p.add_argument("--target", help="target model name/path written into the export (default: the one the "
+                                    "drafter was trained on); a local directory also lets export check sizes")
+    p.add_argument("--force", action="store_true", help="replace an existing --out once the new export validates")
+    p.add_argument("--validate-only", action="store_true", help="only validate SOURCE as a --format directory")
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.validate_only:
+        problems = validate(args.format, args.source)
+        for prob in problems:
+            print(f"spectrain export: {args.source}: {prob}", file=sys.stderr)
+        print(f"{args.source}: {'INVALID' if problems else 'valid'} {args.format} directory")
+        return 2 if problems else 0
+    if not args.out:
+        raise ValueError("--out DIR is required (the directory to write the export to)")
+    try:
+        summary = export(args.source, args.format, args.out, args.target, args.force)
+    except ExportError as e:
+        print(f"spectrain export: error: the {args.format} export did not validate; nothing was written "
+              f"to {args.out}:", file=sys.stderr)
+        for prob in e.problems:
+            print(f"  - {prob}", file=sys.stderr)
+        return 2
+    for w in summary["warnings"]:
+        print(f"spectrain export: warning: {w}", file=sys.stderr)
+    size = sum(summary["files"].values())
+    print(f"wrote {summary['format']} export of {summary['source']} to {summary['out']} "
+          f"({len(summary['files'])} files, {size / 2**20:.1f} MiB), validated: OK")
+    return 0
