@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import make_tiny_model, make_tiny_target
 from safetensors.torch import load_file, save_file
+from test_drafters import make_tokenizer
 from test_eagle3 import make_head
 from test_medusa import final_hidden, make_heads
 
@@ -244,19 +245,6 @@ def test_medusa_validation_catches_broken_export(medusa_ckpt, tmp_path, fmt, ten
 
 
 # ---- separate draft --------------------------------------------------------------------------
-def make_tokenizer(vocab: int = 128, rename: dict | None = None):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, vocab)]
-    for i, w in (rename or {}).items():
-        words[i] = w
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>")
-
-
 def make_draft_ckpt(path: Path, tokenizer: bool = True):
     model = make_tiny_model("llama", tied=True, layers=2, seed=3)
     model.save_pretrained(path)
