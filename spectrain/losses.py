@@ -94,3 +94,14 @@ def get_loss(name: str):
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}, hard_ce")
     return LOSSES[name]
+
+
+def sim_tau(acc: list[float]) -> float:
+    """1 + sum_i prod_{j<=i} acc_j: the greedy, teacher-forced PROXY of tokens per target pass, from the
+    per-position top-1 agreements a drafter family reports as ``acc_i`` (the loop pools them the same way)."""
+    out, prod = 1.0, 1.0
+    for a in acc:
+        prod *= a
+        out += prod
+    return out
+

@@ -45,6 +45,7 @@ from spectrain.engine import (  # noqa: F401  (resolve_precision: re-exported)
     shard_target_fsdp,
     zero3,
 )
+from spectrain.losses import sim_tau
 from spectrain.sources import OnlineSource, make_sources  # noqa: F401  (re-exported for scripts and tests)
 from spectrain.target import gathered
 
@@ -118,15 +119,6 @@ def rank_micro_batches(rows: list[int], lengths: list[int], micro: int, rank: in
     ranked = [rows[i] for i in order]
     chunks = [ranked[i:i + micro] for i in range(0, len(ranked), micro)]
     return chunks[rank::world]
-
-
-def sim_tau(acc: list[float]) -> float:
-    """1 + sum_i prod_{j<=i} acc_j: the greedy, teacher-forced PROXY of tokens per target pass."""
-    out, prod = 1.0, 1.0
-    for a in acc:
-        prod *= a
-        out += prod
-    return out
 
 
 def aggregate(parts: list[tuple[dict, float]]) -> dict:

@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from spectrain.drafters.base import DraftContext, Drafter, Proposal
 from spectrain.drafters.head_io import WEIGHTS_NAME, read_head_config, save_head
-from spectrain.losses import drafter_loss, hard_ce
+from spectrain.losses import drafter_loss, hard_ce, sim_tau
 
 
 # ---- draft vocabulary ------------------------------------------------------------------------
@@ -279,7 +279,6 @@ class Eagle3Drafter(nn.Module):
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
         run = torch.ones_like(am)  # all earlier steps correct at this anchor
-        sim, prod = 1.0, 1.0
         for i, lg in enumerate(logits):
             tch = _shift(teacher, 1 + i)
             mask = _shift(lm & am, 2 + i, False) & _shift(in_vocab, 1 + i, False)
@@ -297,8 +296,6 @@ class Eagle3Drafter(nn.Module):
                 metrics[f"cond_acc_{i}"] = (correct & run).sum().item() / max(cond_n, 1)
                 run = run & correct
             metrics[f"loss_{i}"], metrics[f"acc_{i}"] = float(li.detach()), acc
-            prod *= acc
-            sim += prod
             if i == 0:
                 metrics["tokens"] = float(n)
                 # assistant tokens whose predicting position has its target argmax outside the draft vocab
@@ -306,7 +303,8 @@ class Eagle3Drafter(nn.Module):
                 metrics["frac_out_of_draft_vocab"] = float((asst & ~in_vocab[:, :-1]).sum()) / max(
                     float(asst.sum()), 1.0)
         metrics["loss"] = float(total.detach())
-        metrics["sim_tau"] = sim  # PROXY: teacher-forced greedy top-1 agreement, +1 bonus token
+        # PROXY: teacher-forced greedy top-1 agreement, +1 bonus token
+        metrics["sim_tau"] = sim_tau([metrics[f"acc_{i}"] for i in range(len(logits))])
         return total, metrics
 
     # ---- persistence -------------------------------------------------------------------------

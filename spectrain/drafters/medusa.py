@@ -30,7 +30,7 @@ from torch import nn
 
 from spectrain.drafters.base import DraftContext, Drafter, Proposal
 from spectrain.drafters.head_io import WEIGHTS_NAME, read_head_config, save_head
-from spectrain.losses import drafter_loss
+from spectrain.losses import drafter_loss, sim_tau
 
 
 class ResidualStack(nn.Module):
@@ -109,7 +109,6 @@ class MedusaHeads(nn.Module):
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
         run = torch.ones_like(am)  # anchors where every earlier head agreed with the target
-        sim, prod = 1.0, 1.0
         for i in range(self.num_heads):
             n_anchor = max(t - 2 - i, 0)
             mask = lm[:, 2 + i:] & am[:, :n_anchor]  # [B, T-2-i] over anchors t
@@ -132,13 +131,11 @@ class MedusaHeads(nn.Module):
                 metrics[f"cond_acc_{i}"] = float((correct & cond).sum()) / max(int(cond.sum()), 1)
                 run = run & correct
             metrics[f"loss_{i}"], metrics[f"acc_{i}"] = float(li.detach()), acc
-            prod *= acc
-            sim += prod
             if i == 0:
                 metrics["tokens"] = float(n)
         metrics["loss"] = float(total.detach())
         # PROXY, not a measured tau: teacher-forced greedy top-1 agreement, 1 + sum_i prod_{j<=i} acc_j
-        metrics["sim_tau"] = sim
+        metrics["sim_tau"] = sim_tau([metrics[f"acc_{i}"] for i in range(self.num_heads)])
         return total, metrics
 
     # ---- persistence -------------------------------------------------------------------------
