@@ -46,8 +46,11 @@ def detect(path) -> str | None:
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Every ``*.safetensors`` file of the directory merged, else ``pytorch_model.bin`` (tensors only)."""
-    files = sorted(path.glob("*.safetensors"))
+    """The head's weights: model.safetensors (or its shards, per model.safetensors.index.json), else
+    pytorch_model.bin (tensors only). Other files (e.g. recorded logits) are not weights."""
+    index = path / "model.safetensors.index.json"
+    files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file() \
+        else [path / "model.safetensors"] if (path / "model.safetensors").is_file() else []
     if files:
         state: dict[str, torch.Tensor] = {}
         for f in files:
@@ -55,7 +58,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         return state
     if (path / "pytorch_model.bin").is_file():
         return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{path} holds no *.safetensors and no pytorch_model.bin weights")
+    raise FileNotFoundError(f"{path} holds no model.safetensors (or index) and no pytorch_model.bin weights")
 
 
 # ---- aux order --------------------------------------------------------------------------------
