@@ -132,7 +132,7 @@ def train_a_few_steps(model, target, steps: int = 4) -> list[float]:
     for _ in range(steps):
         ids = torch.randint(3, 128, (1, 64), generator=g)
         captured = {}  # the final norm's INPUT: speculators rebuilds teacher logits from the pre-norm state
-        hook = target.model.norm.register_forward_hook(lambda m, i, o: captured.setdefault("pre", i[0].detach()))
+        hook = target.model.norm.register_forward_hook(lambda m, i, o, c=captured: c.setdefault("pre", i[0].detach()))
         with torch.no_grad():
             hs = target(ids, output_hidden_states=True).hidden_states
         hook.remove()
@@ -175,11 +175,12 @@ def speculators_variant(out: Path, name: str, target_dir: Path, target, ids, aux
 
 def spectrain_variant(out: Path, name: str, target_dir: Path, ids, aux, meta: dict) -> None:
     sys.path.insert(0, str(REPO))
+    from transformers import LlamaForCausalLM
+
     from spectrain.drafters.eagle3 import Eagle3Drafter
     from spectrain.export import export
     from spectrain.recipe import Recipe
     from spectrain.target import FrozenTarget
-    from transformers import LlamaForCausalLM
 
     target = FrozenTarget(LlamaForCausalLM.from_pretrained(str(target_dir)).eval(), tokenizer=None,
                           name_or_path=str(target_dir))
@@ -213,6 +214,7 @@ def main() -> None:
     ap.add_argument("--out", default="tests/fixtures/conformance")
     a = ap.parse_args()
     import importlib.metadata
+
     import transformers
 
     out = Path(a.out)
