@@ -17,7 +17,8 @@ It writes (all small, fp32, < 2 MB in total):
   ``logits.safetensors`` = the per-TTT-step draft logits of speculators' forward (``reloaded`` from the
   saved directory with ``SpeculatorModel.from_pretrained``, the loader users call).
   Variants: ``default`` = speculators' trainer defaults for eagle3 (norm_before_fc, norm_before_residual,
-  norm_output true), reduced draft vocab; ``plain`` = all layout flags off, full vocabulary (no d2t/t2d),
+  norm_output true, sliding-window layer with window 2048), reduced draft vocab; ``window8`` = the same
+  with a window of 8 tokens, shorter than the inputs; ``plain`` = all layout flags off, full vocabulary (no d2t/t2d),
   saved without ``embed_tokens.weight``; ``fcnorm`` = per-aux fc_norm.
 - ``spectrain_<variant>/``: (b) a spectrain head (``head/``), its ``spectrain export --format vllm-eagle3``
   (``export/``), and ``logits.safetensors`` = speculators' forward on that export, loaded with
@@ -44,10 +45,13 @@ REPO = Path(__file__).resolve().parents[1]
 AUX = [2, 4, 5]
 TTT = 3
 SEQ = 24
-SPEC_VARIANTS = {  # flags, draft vocab (0 = full), keep embed_tokens in the saved file
-    "default": ({"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}, 96, True),
-    "plain": ({"norm_before_residual": False, "norm_before_fc": False, "norm_output": False}, 0, False),
-    "fcnorm": ({"norm_before_residual": False, "norm_before_fc": False, "norm_output": True, "fc_norm": True}, 96, True),
+DEFAULT_FLAGS = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
+SPEC_VARIANTS = {  # flags, draft vocab (0 = full), keep embed_tokens in the saved file, sliding window
+    "default": (DEFAULT_FLAGS, 96, True, 2048),
+    "window8": (DEFAULT_FLAGS, 96, True, 8),  # a window shorter than the inputs: windowed attention for real
+    "plain": ({"norm_before_residual": False, "norm_before_fc": False, "norm_output": False}, 0, False, 2048),
+    "fcnorm": ({"norm_before_residual": False, "norm_before_fc": False, "norm_output": True, "fc_norm": True}, 96, True,
+               2048),
 }
 SPECTRAIN_VARIANTS = {"plain": {}, "speculators-defaults": {"norm_before_fc": True, "norm_before_residual": True,
                                                             "norm_output": True}}
@@ -98,12 +102,12 @@ def load_speculator(path: Path):
     return SpeculatorModel.from_pretrained(str(path), config=cfg).float().eval()
 
 
-def make_speculator(target_dir: Path, flags: dict, draft_vocab: int, counts: torch.Tensor):
+def make_speculator(target_dir: Path, flags: dict, draft_vocab: int, counts: torch.Tensor, window: int):
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
 
     layer = create_transformer_layer_config(verifier_name_or_path=str(target_dir), num_layers=1, draft_arch="llama",
-                                            hidden_act="silu", sliding_window=2048, full_attention_indices=[],
+                                            hidden_act="silu", sliding_window=window, full_attention_indices=[],
                                             mrope_full_head_hack=False)
     d2t = t2d = None
     if draft_vocab:
@@ -150,9 +154,9 @@ def train_a_few_steps(model, target, steps: int = 4) -> list[float]:
 
 
 def speculators_variant(out: Path, name: str, target_dir: Path, target, ids, aux, meta: dict) -> None:
-    flags, draft_vocab, keep_emb = SPEC_VARIANTS[name]
+    flags, draft_vocab, keep_emb, window = SPEC_VARIANTS[name]
     counts = torch.randint(0, 1000, (128,), generator=torch.Generator().manual_seed(4))
-    model = make_speculator(target_dir, flags, draft_vocab, counts)
+    model = make_speculator(target_dir, flags, draft_vocab, counts, window)
     losses = train_a_few_steps(model, target)
     d = out / f"speculators_{name}"
     model.save_pretrained(d)
@@ -169,6 +173,7 @@ def speculators_variant(out: Path, name: str, target_dir: Path, target, ids, aux
     logits = spec_logits(reloaded, ids, aux)
     save_file({"logits": logits.contiguous()}, str(d / "logits.safetensors"))
     meta[f"speculators_{name}"] = {"flags": flags, "draft_vocab_size": draft_vocab or 128, "train_losses": losses,
+                                   "sliding_window": window,
                                    "stored_embedding": keep_emb,
                                    "live_vs_reloaded_max_abs": float((live - logits).abs().max())}
 

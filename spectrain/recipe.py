@@ -66,6 +66,7 @@ class Eagle3Config:
     fc_norm: bool = False  # one RMSNorm per aux state before fc (exclusive with norm_before_fc)
     norm_before_residual: bool = False  # layer 0's residual = hidden_norm(hidden)
     norm_output: bool = False  # feed the final norm's output to the next step
+    sliding_window: int = 0  # > 0: every draft layer attends to anchors within this window (speculators' default 2048)
     init_from: str = ""  # a head dir to fine-tune (spectrain, speculators/vLLM or EAGLE/SGLang format)
 
 
@@ -272,6 +273,7 @@ def validate(r: Recipe) -> Recipe:
              f"drafter.eagle3.aux_layers={e.aux_layers} must be ascending ({sorted(e.aux_layers)}): vLLM, SGLang and "
              "TensorRT-LLM feed fc the captured layers in ascending order, so a head trained in another order "
              "computes garbage there")
+    _require(e.sliding_window >= 0, f"drafter.eagle3.sliding_window={e.sliding_window} must be >= 0 (0 = full attention)")
     _require(not (e.norm_before_fc and e.fc_norm),
              "drafter.eagle3.norm_before_fc and fc_norm are exclusive (one norm over the concatenated aux states, or "
              "one per state): set at most one")

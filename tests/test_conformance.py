@@ -27,7 +27,7 @@ from spectrain.target import FrozenTarget
 torch.set_num_threads(1)
 FIX = Path(__file__).parent / "fixtures" / "conformance"
 REPO = Path(__file__).resolve().parents[1]
-SPEC_VARIANTS = ("default", "plain", "fcnorm")
+SPEC_VARIANTS = ("default", "window8", "plain", "fcnorm")
 SPECTRAIN_VARIANTS = ("plain", "speculators-defaults")
 TOL = 1e-5
 
@@ -73,6 +73,14 @@ def test_import_reproduces_speculators_logits(target, variant):
     config = json.loads((d / "config.json").read_text())
     assert {k: drafter.model.layout[k] for k in LAYOUT_FLAGS} == {k: config.get(k, False) for k in LAYOUT_FLAGS}
     assert ttt_diff(drafter.model, target, FIX, recorded(d)) <= TOL
+
+
+def test_sliding_window_matters_in_the_window8_fixture(target):
+    d = FIX / "speculators_window8"
+    head = load_drafter(d, target).model
+    assert head.windows == [8]
+    head.windows = [None]  # the same weights with full attention: another function on these 24-token inputs
+    assert ttt_diff(head, target, FIX, recorded(d)) > 1e-3
 
 
 def test_speculators_default_layout_is_what_its_trainer_writes():

@@ -115,6 +115,29 @@ def test_layout_matches_from_scratch_forward_and_trains(target, flags):
             assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in getattr(head, name).parameters())
 
 
+def test_sliding_window_ttt_matches_decoding_chain_and_tree(target):
+    """With a window shorter than the prefix, TTT step i at anchor t == the adapter's i-th drafted distribution
+    (chain), and the tree's first-level node equals the chain's first draft."""
+    from test_eagle3 import _propose
+
+    from spectrain.sampling import Sampler
+
+    head = layout_head(target, {"norm_output": True}, sliding_window=4, ttt_steps=3)
+    assert head.windows == [4] and head.config["layer_types"] == ["sliding_attention"]
+    prefix = torch.randint(3, target.vocab_size, (12,), generator=torch.Generator().manual_seed(4))
+    _, greedy = _propose(head, target, prefix, 11, 3, Sampler())
+    seq = torch.cat([prefix, greedy.tokens])
+    with torch.no_grad():
+        lg = head.ttt_logits(seq[None], torch.ones(1, seq.numel()), feats_of(target, head, seq[None])["aux"], target)
+    assert [int(head.draft_ids[lg[i][0, 10].argmax()]) for i in range(3)] == greedy.tokens.tolist()
+    full = layout_head(target, {"norm_output": True}, ttt_steps=3)  # same weights, no window
+    with torch.no_grad():
+        lf = full.ttt_logits(seq[None], torch.ones(1, seq.numel()), feats_of(target, full, seq[None])["aux"], target)
+    assert float((lf[0] - lg[0]).abs().max()) > 1e-3
+    _, tree = _propose(head, target, prefix, 11, 3, Sampler(), tree={"topk": 2, "total_tokens": 6})
+    assert int(tree.tokens[0]) == int(greedy.tokens[0])
+
+
 def test_layout_saved_and_reloaded(target, tmp_path):
     flags = LAYOUTS[-1]
     head = layout_head(target, flags)
@@ -183,8 +206,8 @@ def _edit(d, config=None, tensors=None):
 
 @pytest.mark.parametrize("config,tensors,match", [
     (lambda c: c["transformer_layer_config"].update(model_type="qwen3"), None, "model_type='qwen3'"),
-    (lambda c: c["transformer_layer_config"].update(layer_types=["sliding_attention"], sliding_window=16), None,
-     "sliding-window draft layers"),
+    (lambda c: c["transformer_layer_config"].update(layer_types=["sliding_attention"], sliding_window=None), None,
+     "full and windowed"),
     (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 4, 8]), None, "aux layer ids .* do not fit"),
     (lambda c: c["transformer_layer_config"].update(vocab_size=256), None, "target_vocab_size=256"),
     (None, lambda t: t["embed_tokens.weight"].add_(1.0), "embed_tokens.weight differs"),

@@ -23,6 +23,10 @@ norm_before_fc, norm_before_residual and norm_output to true):
 - ``norm_before_residual``: layer 0's residual is hidden_norm(hidden) instead of the raw fused hidden;
 - ``norm_output``: the final norm's output (not the pre-norm state) is fed to the next step; logits are
   lm_head(norm(h)) either way.
+- ``sliding_window`` + ``layer_types`` (speculators' trainer makes every draft layer sliding_attention, window
+  2048): a sliding layer sees the committed / step-0 keys of anchors within ``window`` of its anchor (what
+  speculators' TTT mask computes: the window is relative to the anchor, not to the drafted position),
+  and always its own chain's keys.
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ def config_from_target(target, eagle3_cfg, aux_layers: list[int], draft_vocab_si
         "max_position_embeddings": getattr(tc, "max_position_embeddings", 4096), "hidden_act": "silu",
         "ttt_steps": eagle3_cfg.ttt_steps, "ttt_decay": eagle3_cfg.ttt_decay,
         "target_num_layers": target.num_layers, **{k: bool(getattr(eagle3_cfg, k)) for k in LAYOUT_FLAGS},
+        **({"layer_types": ["sliding_attention"] * eagle3_cfg.num_layers, "sliding_window": eagle3_cfg.sliding_window}
+           if eagle3_cfg.sliding_window else {}),
     }
 
 
@@ -175,6 +181,11 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+def window_keep(anchors: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
+    """[m, n_keys]: committed key j is within ``window`` of the row's anchor position (j <= anchor is the mask's job)."""
+    return (anchors[:, None] - torch.arange(n_keys, device=anchors.device)[None, :]) < window
+
+
 def attend_masked(q, k, v, mask):
     """Plain softmax attention; mask [..., q, kv] bool (True = attend). fp32 softmax."""
     s = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
@@ -231,6 +242,9 @@ class Eagle3Drafter(nn.Module):
             self.fc_norm = nn.ModuleList(LlamaRMSNorm(ht, eps) for _ in range(n_aux))
         self.fc = nn.Linear(n_aux * ht, h, bias=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, fused=i == 0) for i in range(cfg["num_layers"]))
+        types = cfg.get("layer_types") or []
+        self.windows = [cfg.get("sliding_window") if i < len(types) and types[i] == "sliding_attention" else None
+                        for i in range(cfg["num_layers"])]
         self.norm = LlamaRMSNorm(h, cfg["rms_norm_eps"])
         self.lm_head = nn.Linear(h, d, bias=False)
         if d2t is None:
@@ -304,7 +318,7 @@ class Eagle3Drafter(nn.Module):
         causal = idx[None, :] <= idx[:, None]
         # a padded query still sees itself, so no softmax row is empty
         mask0 = (causal[None] & (am[:, None, :] | torch.eye(t, dtype=torch.bool, device=am.device)))[:, None]
-        attends = [TTTAttention(mask0) for _ in self.layers]
+        attends = [TTTAttention(mask0 if w is None else mask0 & window_keep(idx, t, w)) for w in self.windows]
         hidden = self.fuse(aux)
         out = []
         for i in range(steps):
@@ -403,16 +417,22 @@ class Eagle3Proposer(Drafter):
         z = w.new_zeros(1, c["num_attention_heads"], 0, c["head_dim"])
         return [(z, z) for _ in self.model.layers]
 
-    def _run(self, emb, hidden, positions, mask, temp):
-        """One step for m rows attending to cache + temp + themselves (mask [m, n + n_temp + m]).
+    def _run(self, emb, hidden, positions, mask, temp, anchors, committed: int):
+        """One step for m rows attending to cache + temp + themselves (mask [m, n + n_temp + m]); the first
+        ``committed`` columns are committed positions 0.., which sliding layers window around ``anchors`` [m].
         Returns (layer output [1,m,H], logits [m,D] fp32, the rows' new per-layer K/V)."""
         new = []
 
         def make(li):
+            lmask, w = mask, self.model.windows[li]
+            if w is not None:
+                lmask = mask.clone()
+                lmask[:, :committed] &= window_keep(anchors, committed, w)
+
             def attend(q, k, v):
                 new.append((k, v))
                 (ck, cv), (tk, tv) = self.cache[li], temp[li]
-                return attend_masked(q, torch.cat([ck, tk, k], 2), torch.cat([cv, tv, v], 2), mask)
+                return attend_masked(q, torch.cat([ck, tk, k], 2), torch.cat([cv, tv, v], 2), lmask)
             return attend
 
         m = self.model
@@ -445,7 +465,7 @@ class Eagle3Proposer(Drafter):
             pos = torch.arange(f.start, f.start + n_new, device=hidden.device)
             causal = torch.ones(n_new, n_new, dtype=torch.bool, device=hidden.device).tril()
             mask = torch.cat([causal.new_ones(n_new, self.n), causal], 1)
-            h, logits, new = self._run(emb, hidden, pos, mask, self._empty())
+            h, logits, new = self._run(emb, hidden, pos, mask, self._empty(), pos, self.n + n_new)
             self.cache = self._append(self.cache, new)
             self.n = f.start + n_new
             self.root_hidden, self.root_logits = h[:, -1:], logits[-1]
@@ -488,7 +508,7 @@ class Eagle3Proposer(Drafter):
             # drafted token j+1 sits at position n + j and sees the whole cache + drafted 0..j
             mask = torch.ones(1, self.n + j + 1, dtype=torch.bool, device=h.device)
             pos = torch.tensor([self.n + j], device=h.device)
-            h, lg, new = self._run(self.target.embed(tok), h, pos, mask, temp)
+            h, lg, new = self._run(self.target.embed(tok), h, pos, mask, temp, pos.new_full((1,), self.n - 1), self.n)
             temp, logits = self._append(temp, new), lg[0]
         tokens = torch.cat(toks) if toks else torch.zeros(0, dtype=torch.long, device=self.root_logits.device)
         probs = None if ctx.sampler.greedy or not qs else torch.stack(qs)
@@ -520,7 +540,7 @@ class Eagle3Proposer(Drafter):
             mask = torch.cat([anc.new_ones(m, self.n), anc, torch.eye(m, dtype=torch.bool, device=dev)], 1)
             pos = torch.full((m,), self.n + d - 2, device=dev)
             h, lg, new = self._run(self.target.embed(torch.stack([node_tok[i] for i in expand])),
-                                   torch.stack(hid)[None], pos, mask, temp)
+                                   torch.stack(hid)[None], pos, mask, temp, pos.new_full((m,), self.n - 1), self.n)
             temp, layer = self._append(temp, new), []
             for r, i in enumerate(expand):
                 fwd_of[i] = base + r

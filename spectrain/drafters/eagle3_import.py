@@ -101,11 +101,10 @@ def _layer_config(fields: dict, where: str):
     if getattr(layer, "hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act={layer.hidden_act!r}; spectrain's EAGLE-3 MLP is SiLU-gated")
     types = getattr(layer, "layer_types", None) or []
-    window, ctx = getattr(layer, "sliding_window", None), layer.max_position_embeddings
-    if any(t != "full_attention" for t in types) and (window is None or window < ctx):
-        # a window >= the context length masks nothing: the same function as full attention
-        raise ValueError(f"{where}: sliding-window draft layers (window {window} < max_position_embeddings {ctx}); "
-                         "spectrain's EAGLE-3 layer attends to the whole prefix, so this head cannot be loaded exactly")
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown or ("sliding_attention" in types and not getattr(layer, "sliding_window", None)):
+        raise ValueError(f"{where}: layer_types {types} with sliding_window={getattr(layer, 'sliding_window', None)}; "
+                         "spectrain implements full and windowed (sliding_attention + sliding_window) layers only")
     return layer
 
 
@@ -122,9 +121,17 @@ def _spectrain_config(layer, aux: list[int], draft_vocab: int, target_hidden: in
         "head_dim": getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads,
         "intermediate_size": layer.intermediate_size, "rms_norm_eps": layer.rms_norm_eps, "rope_parameters": rope,
         "max_position_embeddings": layer.max_position_embeddings, "hidden_act": "silu",
+        **_windows(layer),
         "ttt_steps": ttt_steps, "ttt_decay": 0.8, "loss": "fkl", "imported_from": source,
         **{k: bool(flags.get(k, False)) for k in LAYOUT_FLAGS},
     }
+
+
+def _windows(layer) -> dict:
+    types = list(getattr(layer, "layer_types", None) or [])
+    if "sliding_attention" not in types:
+        return {}
+    return {"layer_types": types, "sliding_window": int(layer.sliding_window)}
 
 
 def _from_speculators(config: dict, where: str, num_target_layers: int) -> dict:
@@ -234,7 +241,8 @@ def load(path, target):
 
 
 # ---- training initialisation ------------------------------------------------------------------
-ARCH_KEYS = ("aux_layers", "draft_vocab_size", "num_layers", "intermediate_size", "num_attention_heads", *LAYOUT_FLAGS)
+ARCH_KEYS = ("aux_layers", "draft_vocab_size", "num_layers", "intermediate_size", "num_attention_heads", "sliding_window",
+             *LAYOUT_FLAGS)
 
 
 def init_from_head(cls, path, recipe, target) -> Eagle3Drafter:

@@ -59,6 +59,7 @@ def _layer_fields(cfg: dict) -> dict:
         "head_dim": cfg["head_dim"], "hidden_act": cfg.get("hidden_act", "silu"), "rms_norm_eps": cfg["rms_norm_eps"],
         "max_position_embeddings": cfg["max_position_embeddings"], **rope_keys(cfg["rope_parameters"]),
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        **({"layer_types": cfg["layer_types"], "sliding_window": cfg["sliding_window"]} if cfg.get("layer_types") else {}),
     }
 
 
@@ -83,6 +84,9 @@ def _sglang_config(cfg: dict, state: dict, aux: list[int], dtype: str, n_layers:
     if flags:
         raise ValueError(f"this head uses {flags}; SGLang's and TensorRT-LLM's EAGLE-3 layer implements none of the "
                          "extra layout norms, so it would compute another function there: use --format vllm-eagle3")
+    if cfg.get("layer_types"):
+        raise ValueError("this head has sliding-window draft layers, which SGLang's EAGLE-3 layer does not apply: "
+                         "use --format vllm-eagle3")
     if cfg["num_layers"] != 1:
         raise ValueError(f"sglang-eagle3 takes single-layer heads (SGLang and TensorRT-LLM name further "
                          f"layers differently); this head has {cfg['num_layers']}: use --format vllm-eagle3")
