@@ -40,7 +40,7 @@ _HASH_EXEMPT = {
     ("training", "resume_from"), ("training", "checkpoint_every"), ("training", "eval_every"),
     ("training", "keep_checkpoints"), ("training", "num_workers"), ("training", "feature_cache"),
     ("training", "max_nan_steps"),
-    ("data", "cache_dir"), ("tracking",), ("output_dir",),
+    ("data", "cache_dir"), ("tracking",), ("launch",), ("output_dir",),
 }
 
 

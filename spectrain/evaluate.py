@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-PROMPTS_DIR = Path(__file__).resolve().parents[1] / "eval" / "prompts"
+from spectrain.resources import prompts_dir
+
+PROMPTS_DIR = prompts_dir()  # eval/prompts/ of the checkout, or the copy inside the installed wheel
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 DEFAULT_OOD_SETS = [f"spec_bench/{c}" for c in SPEC_BENCH_CATEGORIES] + ["humaneval"]
 
