@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 LINK_FILE = "tracking.json"
@@ -85,10 +86,8 @@ def init_trackers(accelerator, recipe, extra: dict, resumed: bool) -> None:
     config["run/world_size"] = accelerator.num_processes
     kwargs = {}
     if "wandb" in recipe.tracking.report_to:
-        import wandb
-
         same = old.get("project") == project and old.get("wandb_id")
-        link["wandb_id"] = old["wandb_id"] if same else wandb.util.generate_id()
+        link["wandb_id"] = old["wandb_id"] if same else uuid.uuid4().hex[:12]  # kept in tracking.json
         kwargs["wandb"] = {"name": name, "id": link["wandb_id"], "resume": "allow", "group": link["group"],
                            "job_type": "train", "dir": os.environ.get("WANDB_DIR") or str(out)}
     accelerator.init_trackers(project, config=config, init_kwargs=kwargs)
