@@ -7,8 +7,10 @@
 - ``a.b.c=value`` overrides are converted to the field's annotated type (int, float, bool, str,
   list[int], list[str], Literal choices) and then validated exactly like values from the file.
 - The global batch size is what a recipe states; gradient accumulation is derived from it.
-- Relative paths in a recipe (target, data files, cache and output dirs) are resolved against the
-  current working directory, not the recipe file: run spectrain from the repository root.
+- A recipe is a file path or the name of a shipped recipe (``tiny/eagle3``; spectrain/resources.py).
+  Relative paths in a user's recipe (target, data files, cache and output dirs) are resolved against
+  the current working directory, not the recipe file; in a shipped recipe the input paths (target,
+  data files, draft model) point into the installed package, outputs stay in the current directory.
 """
 
 from __future__ import annotations
@@ -140,12 +142,21 @@ class TrackingConfig:
 
 
 @dataclass
+class LaunchConfig:
+    """How `spectrain train` starts itself: N processes through `accelerate launch` (0 = one process,
+    unless --nproc says otherwise) and an accelerate config (a shipped name such as zero2, or a path)."""
+    nproc: int = 0
+    accelerate_config: str = ""
+
+
+@dataclass
 class Recipe:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     output_dir: str = "runs/tiny-eagle3"
 
     def to_dict(self) -> dict[str, Any]:
@@ -297,6 +308,7 @@ def validate(r: Recipe) -> Recipe:
     _require(len(set(rt)) == len(rt), f"tracking.report_to={rt} has duplicates")
     _require("none" not in rt or len(rt) == 1, "tracking.report_to: 'none' cannot be combined with other trackers")
     _require(len(r.output_dir) > 0, "output_dir is empty")
+    _require(r.launch.nproc >= 0, f"launch.nproc={r.launch.nproc} must be >= 0 (0 or 1 = one process)")
     return r
 
 
@@ -366,16 +378,19 @@ def recipe_from_dict(raw: dict | None, overrides: list[str] | None = None) -> Re
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Load a YAML recipe, apply typed overrides, validate. Errors name the file and the key."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"recipe not found: {path}")
+    """Load a YAML recipe (a file, or a shipped recipe's name such as tiny/eagle3), apply typed overrides,
+    validate. Errors name the file and the key."""
+    from spectrain.resources import anchor_shipped_paths, resolve_recipe
+
+    path, shipped = resolve_recipe(str(path))
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from None
     if raw is not None and not isinstance(raw, dict):
         raise ValueError(f"{path}: a recipe must be a mapping of sections (target:, data:, drafter: ...)")
+    if shipped and raw:
+        raw = anchor_shipped_paths(raw)  # before the overrides: a user's override is relative to the cwd
     try:
         return recipe_from_dict(raw, overrides)
     except ValueError as e:
@@ -384,7 +399,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
 
 def _fail(msg: str) -> int:
     print(f"spectrain check: FAILED: {msg}", file=sys.stderr)
-    return 1
+    return 2  # bad input, like every other command
 
 
 def _check_target(r: Recipe):

@@ -7,7 +7,6 @@ every report):
 from __future__ import annotations
 
 import json
-import os
 import platform
 import re
 import subprocess
@@ -257,49 +256,19 @@ def plot_tau(out_dir: Path, records: list[dict], target: str) -> Path:
     return p
 
 
-# ---- wandb + all ------------------------------------------------------------------------------------------------
+# ---- all ---------------------------------------------------------------------------------------------------
 
 
-def log_wandb(out_dir: Path, meta: dict, records: list[dict], plots: list[Path], project: str) -> None:
-    """The same curves as wandb line plots, the records as a table. WANDB_MODE=offline works."""
-    try:
-        import wandb
-    except ImportError:
-        raise ValueError("--report-to wandb needs the wandb package: pip install 'spectrain[wandb]'") from None
-    # WANDB_DIR, when set, wins; otherwise the run's files live next to the report.
-    run = wandb.init(project=project, dir=os.environ.get("WANDB_DIR") or str(out_dir), name=out_dir.name,
-                     config=meta, job_type="eval")
-    try:
-        for (drafter, config), recs in _groups(records).items():
-            keep = [r for r in recs if any(a is not None for a in r["alpha"])]
-            if keep:
-                xs = [[i + 1 for i, a in enumerate(r["alpha"]) if a is not None] for r in keep]
-                ys = [[a for a in r["alpha"] if a is not None] for r in keep]
-                run.log({f"acceptance/{_slug(drafter)}/{_slug(config)}": wandb.plot.line_series(
-                    xs=xs, ys=ys, keys=[f"{r['prompt_set']} [{r['split']}]" for r in keep],
-                    title=f"alpha_i vs position: {drafter} {config}", xname="draft position i")})
-        cols = ["drafter", "config", "prompt_set", "split", "n_prompts", "n_skipped", "emitted_tokens", "tau",
-                "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "measured_speedup", "c",
-                "predicted_speedup", "alpha"]
-        table = wandb.Table(columns=cols, data=[[json.dumps(r[c]) if c == "alpha" else r[c] for c in cols]
-                                                for r in records])
-        run.log({"eval/report": table,
-                 "eval/tau": wandb.plot.bar(
-                     wandb.Table(columns=["cell", "tau"], data=[[f"{r['drafter']} {r['config']} {r['prompt_set']}",
-                                                                 r["tau"]] for r in records]),
-                     "cell", "tau", title="tau per prompt set"),
-                 **{f"plots/{p.stem}": wandb.Image(str(p)) for p in plots}})
-    finally:
-        run.finish()
-
-
-def write_all(out_dir: Path, meta: dict, records: list[dict], report_to: str = "none",
-              wandb_project: str = "spectrain") -> list[Path]:
+def write_all(out_dir: Path, meta: dict, records: list[dict], report_to: str | list[str] | None = "none",
+              wandb_project: str | None = None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_acceptance(out_dir, records, meta["target"]) + ([plot_tau(out_dir, records, meta["target"])]
                                                                   if records else [])
     (out_dir / "report.json").write_text(json.dumps({"meta": meta, "records": records}, indent=2, allow_nan=False) + "\n")
     write_markdown(out_dir / "report.md", meta, records, plots)
-    if report_to == "wandb":
-        log_wandb(out_dir, meta, records, plots, wandb_project)
+    trackers = [t for t in ([report_to] if isinstance(report_to, str) else report_to or []) if t != "none"]
+    if trackers:  # scalars per (drafter, decode, prompt set), curves, table: spectrain/eval_tracking.py
+        from spectrain.eval_tracking import log_trackers
+
+        log_trackers(out_dir, meta, records, plots, trackers, wandb_project)
     return [out_dir / "report.json", out_dir / "report.md", *plots]

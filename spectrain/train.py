@@ -25,6 +25,7 @@ the loop when ZeRO-3 / FSDP shard the module); register it in ``DRAFTERS``.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 import warnings
@@ -417,6 +418,7 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
                 ev = evaluate(run)
                 if ev is not None:
                     log(run, ev)
+                if ev is not None and acc.is_main_process:  # tqdm.write prints on every rank
                     bar.write(f"step {step}: held-out sim_tau (proxy) {ev['eval/sim_tau_proxy']:.3f}  "
                               f"acc_0 {ev.get('eval/acc_0', float('nan')):.3f}")
                 maybe_best(run, ev)
@@ -458,6 +460,8 @@ def main(recipe_path: str, overrides: list[str] | None = None) -> int:
         sig = summary["interrupted_by"]
         return 128 + (int(sig) if isinstance(sig, int) else 15)
     tau = summary["best_sim_tau_proxy"]
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # one summary per run, from rank 0
     print(f"done: {summary['step']} steps in {summary['wall_s']:.0f}s; best held-out sim_tau (proxy) "
           f"{'n/a' if tau is None else f'{tau:.3f}'} at step {summary['best_step']}; run dir {summary['output_dir']}")
     return 0
