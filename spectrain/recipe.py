@@ -61,6 +61,15 @@ class Eagle3Config:
     ttt_decay: float = 0.8
     intermediate_size: int = 0  # 0 = the target's
     num_attention_heads: int = 0  # 0 = the target's
+    # target: lm_head = the target's lm_head rows of the draft vocabulary (target_with_norm: also the
+    # final norm's weight from the target's final norm); random: normal(0, 0.02)
+    lm_head_init: Literal["random", "target", "target_with_norm"] = "random"
+    freeze_lm_head: bool = False
+    # which TTT positions carry loss: "predicted" = the predicted token is an assistant token;
+    # "input" = the step's input token is (the speculators rule)
+    loss_positions: Literal["predicted", "input"] = "predicted"
+    # positions whose target argmax lies outside the draft vocab: "mask" = no loss there, "keep" = trained
+    out_of_vocab: Literal["mask", "keep"] = "mask"
 
 
 @dataclass
@@ -112,6 +121,9 @@ class TrainingConfig:
     feature_cache: str = ""
     max_nan_steps: int = 10
     num_workers: int = 0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    num_threads: int = 0  # torch CPU threads; 0 = $SPECTRAIN_NUM_THREADS, else the cores this process may use
+    packing: bool = False  # pack each micro-batch's rows into one row with document masking (EAGLE-3)
 
     def grad_accum(self, world_size: int = 1) -> int:
         """Micro-steps per optimizer step so that one step sees exactly `global_batch_size` rows."""
@@ -258,6 +270,9 @@ def validate(r: Recipe) -> Recipe:
     _require(t.grad_clip >= 0, f"training.grad_clip={t.grad_clip} must be >= 0 (0 = off)")
     for k in ("checkpoint_every", "eval_every", "max_nan_steps", "num_workers"):
         _require(getattr(t, k) >= 0, f"training.{k}={getattr(t, k)} must be >= 0")
+    _require(len(t.adam_betas) == 2 and all(0.0 <= b < 1.0 for b in t.adam_betas),
+             f"training.adam_betas={t.adam_betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    _require(t.num_threads >= 0, f"training.num_threads={t.num_threads} must be >= 0 (0 = from the CPU affinity)")
     _require(t.keep_checkpoints >= 1, f"training.keep_checkpoints={t.keep_checkpoints} must be >= 1")
     e = dr.eagle3
     _require(all(i >= 0 for i in e.aux_layers) and len(set(e.aux_layers)) == len(e.aux_layers),

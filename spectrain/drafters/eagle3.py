@@ -19,6 +19,7 @@ embeddings are used frozen and never stored.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -204,6 +205,8 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", t2d.bool().clone())
         self.rotary = LlamaRotaryEmbedding(layer_config(cfg))
         self.apply(self._init_weights)
+        if cfg.get("freeze_lm_head", False):
+            self.lm_head.weight.requires_grad_(False)
 
     @staticmethod
     def _init_weights(m):
@@ -218,12 +221,34 @@ class Eagle3Drafter(nn.Module):
         d2t, t2d = build_draft_vocab(token_counts, e.draft_vocab_size, target.vocab_size)
         cfg = config_from_target(target, e, aux, e.draft_vocab_size)
         cfg["loss"] = recipe.drafter.loss
+        cfg.update(lm_head_init=e.lm_head_init, freeze_lm_head=e.freeze_lm_head, loss_positions=e.loss_positions,
+                   out_of_vocab=e.out_of_vocab)
         from spectrain.features import target_fingerprint
 
         # Same shapes do not mean same weights: a head trained on another build of the target
         # loads fine and then accepts almost nothing. Record which target it was trained on.
         cfg["target_fingerprint"] = target_fingerprint(target)
-        return cls(cfg, d2t, t2d).to(target.device)
+        model = cls(cfg, d2t, t2d)
+        if e.lm_head_init != "random":
+            model.init_head_from_target(target, with_norm=e.lm_head_init == "target_with_norm")
+        return model.to(target.device)
+
+    @torch.no_grad()
+    def init_head_from_target(self, target, with_norm: bool = False) -> None:
+        """lm_head = the target's lm_head rows of the draft vocabulary (a head that starts out mapping a
+        target-like hidden state to the target's logits); with_norm also copies the final norm's scale."""
+        w = target.lm_head.weight
+        if getattr(target.lm_head, "bias", None) is not None:
+            raise ValueError("drafter.eagle3.lm_head_init=target: the target's lm_head has a bias, which the "
+                             "EAGLE-3 head's lm_head cannot hold; use lm_head_init=random")
+        self.lm_head.weight.copy_(w[self.draft_ids.to(w.device)].to(self.lm_head.weight))
+        if with_norm:
+            self.norm.weight.copy_(target.norm.weight.to(self.norm.weight))
+            x = torch.randn(2, self.norm.weight.numel(), dtype=torch.float32)
+            # a target norm with another formula (e.g. Gemma's x * (1 + w)) cannot be copied weight for weight
+            if not torch.allclose(self.norm.float()(x), copy.deepcopy(target.norm).float().cpu()(x), atol=1e-4):
+                raise ValueError(f"drafter.eagle3.lm_head_init=target_with_norm: the target's final norm "
+                                 f"({type(target.norm).__name__}) is not an RMSNorm x * w; use lm_head_init=target")
 
     def feature_spec(self) -> dict:
         return {"aux_layers": list(self.aux_layers), "want_last_hidden": True}
@@ -269,6 +294,9 @@ class Eagle3Drafter(nn.Module):
         ids, am, lm = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
         steps, decay = self.config["ttt_steps"], self.config["ttt_decay"]
         name = self.config.get("loss", "fkl")
+        # a position is trained when its predicted token (default) or its input token is the assistant's
+        lead = 2 if self.config.get("loss_positions", "predicted") == "predicted" else 1
+        keep_oov = self.config.get("out_of_vocab", "mask") == "keep"
         to_draft = torch.cumsum(self.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
         with torch.no_grad():
             tlogits = target.logits_from_last_hidden(feats["last_hidden"])
@@ -281,10 +309,11 @@ class Eagle3Drafter(nn.Module):
         run = torch.ones_like(am)  # all earlier steps correct at this anchor
         for i, lg in enumerate(logits):
             tch = _shift(teacher, 1 + i)
-            mask = _shift(lm & am, 2 + i, False) & _shift(in_vocab, 1 + i, False)
+            sup = _shift(lm & am, lead + i, False)
+            mask = sup if keep_oov else sup & _shift(in_vocab, 1 + i, False)
             if name == "hard_ce":  # labels = the data's token t+2+i, where the draft vocabulary has it
                 data = _shift(ids, 2 + i)
-                li = hard_ce(lg, to_draft[data].clamp_min(0), _shift(lm & am, 2 + i, False) & self.t2d[data])
+                li = hard_ce(lg, to_draft[data].clamp_min(0), sup & _shift(am, 2 + i, False) & self.t2d[data])
             else:
                 li = drafter_loss(name, lg, tch, None, mask)
             total = total + decay**i * li
