@@ -47,6 +47,7 @@ from spectrain.engine import (  # noqa: F401  (resolve_precision, resolve_num_th
     zero3,
 )
 from spectrain.losses import sim_tau
+from spectrain.packing import pack_rows
 from spectrain.sources import OnlineSource, make_sources  # noqa: F401  (re-exported for scripts and tests)
 from spectrain.target import gathered
 
@@ -267,6 +268,8 @@ def train_step(run) -> dict:
     losses, parts, tokens, finite = [], [], 0, True
     for mb in step_micro_batches(run):
         batch, feats = run.train_src.get(mb)
+        if t.packing:  # one row of real tokens per micro-batch, attention masked per document
+            batch, feats = pack_rows(batch, feats)
         tokens += int(batch["attention_mask"].sum())
         with acc.accumulate(run.model):
             with acc.autocast():

@@ -32,6 +32,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from spectrain.drafters.base import DraftContext, Drafter, Proposal
 from spectrain.drafters.head_io import WEIGHTS_NAME, read_head_config, save_head
 from spectrain.losses import drafter_loss, hard_ce, sim_tau
+from spectrain.packing import DocTTTAttention, PackedDocs
 
 
 # ---- draft vocabulary ------------------------------------------------------------------------
@@ -269,17 +270,22 @@ class Eagle3Drafter(nn.Module):
     def _inputs(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.fc.weight.dtype)
 
-    def ttt_logits(self, input_ids, attention_mask, aux, target, steps: int | None = None) -> list[torch.Tensor]:
-        """Unrolled TTT forward: per step i, logits [B,T,D] at every anchor t (see module docstring)."""
+    def ttt_logits(self, input_ids, attention_mask, aux, target, steps: int | None = None,
+                   docs: PackedDocs | None = None) -> list[torch.Tensor]:
+        """Unrolled TTT forward: per step i, logits [B,T,D] at every anchor t (see module docstring).
+        ``docs``: the row is packed (spectrain.packing); attention stays inside each document."""
         steps = steps or self.config["ttt_steps"]
-        b, t = input_ids.shape
-        am = attention_mask.bool()
-        pos0 = (am.long().cumsum(1) - 1).clamp_min(0)
-        idx = torch.arange(t, device=input_ids.device)
-        causal = idx[None, :] <= idx[:, None]
-        # a padded query still sees itself, so no softmax row is empty
-        mask0 = (causal[None] & (am[:, None, :] | torch.eye(t, dtype=torch.bool, device=am.device)))[:, None]
-        attends = [TTTAttention(mask0) for _ in self.layers]
+        if docs is not None:
+            pos0, attends = docs.positions, [DocTTTAttention(docs) for _ in self.layers]
+        else:
+            t = input_ids.shape[1]
+            am = attention_mask.bool()
+            pos0 = (am.long().cumsum(1) - 1).clamp_min(0)
+            idx = torch.arange(t, device=input_ids.device)
+            causal = idx[None, :] <= idx[:, None]
+            # a padded query still sees itself, so no softmax row is empty
+            mask0 = (causal[None] & (am[:, None, :] | torch.eye(t, dtype=torch.bool, device=am.device)))[:, None]
+            attends = [TTTAttention(mask0) for _ in self.layers]
         hidden = self.fc(self._inputs(aux))
         out = []
         for i in range(steps):
@@ -303,17 +309,20 @@ class Eagle3Drafter(nn.Module):
             in_vocab = self.t2d[tlogits.argmax(-1)]
             teacher = tlogits[..., self.draft_ids].float()  # restricted; its softmax is renormalised
             del tlogits
-        logits = self.ttt_logits(ids, am, feats["aux"], target, steps)
+        docs = PackedDocs(batch["doc_lengths"]) if "doc_lengths" in batch else None
+        inside = docs.same_doc if docs is not None else (lambda n: True)  # packed: not past the document's end
+        logits = self.ttt_logits(ids, am, feats["aux"], target, steps, docs)
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
         run = torch.ones_like(am)  # all earlier steps correct at this anchor
         for i, lg in enumerate(logits):
             tch = _shift(teacher, 1 + i)
-            sup = _shift(lm & am, lead + i, False)
+            sup = _shift(lm & am, lead + i, False) & inside(lead + i)
             mask = sup if keep_oov else sup & _shift(in_vocab, 1 + i, False)
             if name == "hard_ce":  # labels = the data's token t+2+i, where the draft vocabulary has it
                 data = _shift(ids, 2 + i)
-                li = hard_ce(lg, to_draft[data].clamp_min(0), sup & _shift(am, 2 + i, False) & self.t2d[data])
+                li = hard_ce(lg, to_draft[data].clamp_min(0),
+                             sup & _shift(am, 2 + i, False) & inside(2 + i) & self.t2d[data])
             else:
                 li = drafter_loss(name, lg, tch, None, mask)
             total = total + decay**i * li
@@ -328,7 +337,7 @@ class Eagle3Drafter(nn.Module):
             if i == 0:
                 metrics["tokens"] = float(n)
                 # assistant tokens whose predicting position has its target argmax outside the draft vocab
-                asst = lm[:, 1:] & am[:, 1:]
+                asst = lm[:, 1:] & am[:, 1:] & (docs.same_doc(1) if docs is not None else am)[:, :-1]
                 metrics["frac_out_of_draft_vocab"] = float((asst & ~in_vocab[:, :-1]).sum()) / max(
                     float(asst.sum()), 1.0)
         metrics["loss"] = float(total.detach())
