@@ -45,6 +45,8 @@ VARIANTS: dict[str, list[str]] = {
     "frozen_input_rule": FROZEN + ["drafter.eagle3.loss_positions=input"],
     "frozen_keep_oov": FROZEN + ["drafter.eagle3.out_of_vocab=keep"],
     "frozen_packing": FROZEN + ["training.packing=true", "training.micro_batch_size=8"],
+    "best": ["drafter.eagle3.lm_head_init=target_with_norm", "drafter.eagle3.freeze_lm_head=true",
+             "training.adam_betas=0.9,0.999"],
 }
 
 
