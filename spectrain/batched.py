@@ -264,19 +264,29 @@ def _select_rows(cache, slot_pos: torch.Tensor, keep: list[int]) -> torch.Tensor
     return slot_pos.index_select(0, idx)
 
 
-def _maybe_compact(cache, slot_pos: torch.Tensor, min_holes: int = 16) -> torch.Tensor:
-    """Gather each row's valid slots (in order, left padded) once holes outnumber valid slots."""
+def compact_order(slot_pos: torch.Tensor, min_holes: int = 16) -> torch.Tensor | None:
+    """Slot indices [B, n] that gather each row's valid slots in order (left padded with holes), or
+    None while holes do not yet outnumber the valid slots (then compaction would not pay)."""
     valid = slot_pos >= 0
-    counts = valid.sum(1)
-    n = int(counts.max())
+    n = int(valid.sum(1).max())
     S = slot_pos.shape[1]
     if S - n < max(n, min_holes):
+        return None
+    # stable: holes first (they become the left padding), then the valid slots in their original order
+    return torch.argsort(valid.long() * S + torch.arange(S, device=slot_pos.device)[None], dim=1)[:, S - n:]
+
+
+def gather_slots(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """t [B, heads, S, dim] -> [B, heads, n, dim] at the slots `order` [B, n]."""
+    return t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
+
+
+def _maybe_compact(cache, slot_pos: torch.Tensor) -> torch.Tensor:
+    order = compact_order(slot_pos)
+    if order is None:
         return slot_pos
-    # stable order: holes first (left padding), then the valid slots in their original order
-    order = torch.argsort(valid.int() * S + torch.arange(S, device=slot_pos.device)[None], dim=1)[:, S - n:]
     for layer in _layers(cache):
-        g = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-        layer.keys, layer.values = layer.keys.gather(2, g), layer.values.gather(2, g)
+        layer.keys, layer.values = gather_slots(layer.keys, order), gather_slots(layer.values, order)
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = layer.keys.shape[-2]
     return slot_pos.gather(1, order)

@@ -354,18 +354,40 @@ class Eagle3Proposer(Drafter):
     def _run(self, emb, hidden, positions, mask, temp):
         """One step for m rows attending to cache + temp + themselves (mask [m, n + n_temp + m]).
         Returns (layer output [1,m,H], logits [m,D] fp32, the rows' new per-layer K/V)."""
+        h, logits, new = self._run_rows(self.cache, emb[None], hidden, positions[None], mask, temp)
+        return h, logits[0], new
+
+    def _run_rows(self, cache, emb, hidden, positions, mask, temp):
+        """Batched step: emb/hidden [B,m,H], positions [B,m], mask broadcastable to [B, heads, m, cache +
+        temp + m]; cache/temp per layer (K, V) [B, heads, n, dim]. Returns ([B,m,H], [B,m,D] fp32, new K/V)."""
         new = []
 
         def make(li):
             def attend(q, k, v):
                 new.append((k, v))
-                (ck, cv), (tk, tv) = self.cache[li], temp[li]
+                (ck, cv), (tk, tv) = cache[li], temp[li]
                 return attend_masked(q, torch.cat([ck, tk, k], 2), torch.cat([cv, tv, v], 2), mask)
             return attend
 
         m = self.model
-        h, logits = m.step(m._inputs(emb)[None], hidden, positions[None], [make(i) for i in range(len(m.layers))])
-        return h, logits[0].float(), new
+        h, logits = m.step(m._inputs(emb), hidden, positions, [make(i) for i in range(len(m.layers))])
+        return h, logits.float(), new
+
+    # batched decoding (spectrain/batched.py): all rows' head caches in one tensor, see eagle3_batch.py
+    def begin_batch(self, prompts: list[torch.Tensor]) -> None:
+        from spectrain.drafters.eagle3_batch import BatchedEagle3
+
+        self._batch = BatchedEagle3(self, len(prompts))
+
+    @torch.no_grad()
+    def propose_batch(self, ctxs: list[DraftContext | None]) -> list[Proposal | None]:
+        return self._batch.propose(ctxs)
+
+    def commit_batch(self, accepted: list[list[int] | None]) -> None:
+        pass  # drafted K/V were temporary; the accepted tokens' features arrive with the next call
+
+    def keep_rows(self, idx: list[int]) -> None:
+        self._batch.keep_rows(idx)
 
     @staticmethod
     def _append(kv, new):
