@@ -141,7 +141,7 @@ def batched_table(target, drafter, prompts, args, eos) -> dict:
     ref = run_hf(target, rows, args.max_new_tokens, eos)["tokens"]  # row by row: the greedy truth
     mx, k, table = args.max_new_tokens, args.k, {}
     for B in sorted(set(args.batch_size)):
-        def spec(d):
+        def spec(d, B=B):
             t0 = time.perf_counter()
             outs = speculative_generate(target, d, rows, mx, k=k, eos_token_id=eos, batch_size=B)
             wall = time.perf_counter() - t0

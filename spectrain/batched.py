@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spectrain.acceptance import accept_chain, accept_tree
-from spectrain.drafters.base import DraftContext, TargetFeatures
+from spectrain.drafters.base import DraftContext
 
 
 @dataclass

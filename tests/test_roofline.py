@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from spectrain.roofline import (GPUS, Accelerator, ModelCost, Speculation, accelerator, crossover, curve, eagle3_cost,
-                                expected_tau, measure_cpu_peaks, predicted_speedup, target_cost)
+from spectrain.roofline import (
+    GPUS,
+    Accelerator,
+    ModelCost,
+    Speculation,
+    accelerator,
+    crossover,
+    curve,
+    eagle3_cost,
+    expected_tau,
+    measure_cpu_peaks,
+    predicted_speedup,
+    target_cost,
+)
 
 LLAMA_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, num_hidden_layers=32,
                 intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
