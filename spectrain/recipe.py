@@ -63,6 +63,13 @@ class Eagle3Config:
     ttt_decay: float = 0.8
     intermediate_size: int = 0  # 0 = the target's
     num_attention_heads: int = 0  # 0 = the target's
+    # layer layout (speculators' names; all false = the original EAGLE-3 layer, see drafters/eagle3.py)
+    norm_before_fc: bool = False  # RMSNorm over the concatenated aux states before fc
+    fc_norm: bool = False  # one RMSNorm per aux state before fc (exclusive with norm_before_fc)
+    norm_before_residual: bool = False  # layer 0's residual = hidden_norm(hidden)
+    norm_output: bool = False  # feed the final norm's output to the next step
+    sliding_window: int = 0  # > 0: every draft layer attends to anchors within this window (speculators' default 2048)
+    init_from: str = ""  # a head dir to fine-tune (spectrain, speculators/vLLM or EAGLE/SGLang format)
 
 
 @dataclass
@@ -273,6 +280,14 @@ def validate(r: Recipe) -> Recipe:
     e = dr.eagle3
     _require(all(i >= 0 for i in e.aux_layers) and len(set(e.aux_layers)) == len(e.aux_layers),
              f"drafter.eagle3.aux_layers={e.aux_layers} must be distinct layer ids >= 0 ([] = derive)")
+    _require(list(e.aux_layers) == sorted(e.aux_layers),
+             f"drafter.eagle3.aux_layers={e.aux_layers} must be ascending ({sorted(e.aux_layers)}): vLLM, SGLang and "
+             "TensorRT-LLM feed fc the captured layers in ascending order, so a head trained in another order "
+             "computes garbage there")
+    _require(e.sliding_window >= 0, f"drafter.eagle3.sliding_window={e.sliding_window} must be >= 0 (0 = full attention)")
+    _require(not (e.norm_before_fc and e.fc_norm),
+             "drafter.eagle3.norm_before_fc and fc_norm are exclusive (one norm over the concatenated aux states, or "
+             "one per state): set at most one")
     _require(e.num_layers >= 1, "drafter.eagle3.num_layers must be >= 1")
     _require(e.draft_vocab_size >= 1, "drafter.eagle3.draft_vocab_size must be >= 1")
     _require(e.ttt_steps >= 1, "drafter.eagle3.ttt_steps must be >= 1")

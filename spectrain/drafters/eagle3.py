@@ -15,6 +15,18 @@ distribution at position t, which predicts x_{t+1}):
 Parameter names map one-to-one onto the vLLM speculators EAGLE-3 layout (fc.weight,
 layers.0.self_attn.q_proj.weight, ..., norm.weight, lm_head.weight, d2t, t2d). The target's
 embeddings are used frozen and never stored.
+
+Layer layouts (config flags, all false = the original EAGLE-3 layer; speculators' trainer defaults
+norm_before_fc, norm_before_residual and norm_output to true):
+- ``norm_before_fc``: one RMSNorm (``input_norm``, n_aux*H_t wide) over the concatenated aux states before fc;
+- ``fc_norm``: one RMSNorm per aux state (``fc_norm.{i}``) before concatenation (exclusive with norm_before_fc);
+- ``norm_before_residual``: layer 0's residual is hidden_norm(hidden) instead of the raw fused hidden;
+- ``norm_output``: the final norm's output (not the pre-norm state) is fed to the next step; logits are
+  lm_head(norm(h)) either way.
+- ``sliding_window`` + ``layer_types`` (speculators' trainer makes every draft layer sliding_attention, window
+  2048): a sliding layer sees the committed / step-0 keys of anchors within ``window`` of its anchor (what
+  speculators' TTT mask computes: the window is relative to the anchor, not to the drafted position),
+  and always its own chain's keys.
 """
 
 from __future__ import annotations
@@ -78,8 +90,23 @@ def config_from_target(target, eagle3_cfg, aux_layers: list[int], draft_vocab_si
         "intermediate_size": eagle3_cfg.intermediate_size or tc.intermediate_size,
         "rms_norm_eps": getattr(tc, "rms_norm_eps", 1e-6), "rope_parameters": dict(rope),
         "max_position_embeddings": getattr(tc, "max_position_embeddings", 4096), "hidden_act": "silu",
-        "norm_before_residual": False, "ttt_steps": eagle3_cfg.ttt_steps, "ttt_decay": eagle3_cfg.ttt_decay,
+        "ttt_steps": eagle3_cfg.ttt_steps, "ttt_decay": eagle3_cfg.ttt_decay,
+        "target_num_layers": target.num_layers, **{k: bool(getattr(eagle3_cfg, k)) for k in LAYOUT_FLAGS},
+        **({"layer_types": ["sliding_attention"] * eagle3_cfg.num_layers, "sliding_window": eagle3_cfg.sliding_window}
+           if eagle3_cfg.sliding_window else {}),
     }
+
+
+LAYOUT_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+
+
+def layout(cfg: dict) -> dict[str, bool]:
+    """The four layer-layout flags of a head config (absent = false: heads saved before they existed)."""
+    flags = {k: bool(cfg.get(k, False)) for k in LAYOUT_FLAGS}
+    if flags["norm_before_fc"] and flags["fc_norm"]:
+        raise ValueError("norm_before_fc and fc_norm are exclusive (one RMSNorm over the concatenated aux states, "
+                         "or one per aux state): set at most one of them")
+    return flags
 
 
 def layer_config(cfg: dict) -> LlamaConfig:
@@ -134,6 +161,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         h, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
         self.fused = fused
+        self.norm_before_residual = layout(cfg)["norm_before_residual"]
         self.input_layernorm = LlamaRMSNorm(h, eps)
         if fused:
             self.hidden_norm = LlamaRMSNorm(h, eps)
@@ -143,11 +171,19 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden, emb, cos, sin, attend):
         if self.fused:
-            x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)
+            normed = self.hidden_norm(hidden)
+            x = torch.cat([self.input_layernorm(emb), normed], -1)
+            if self.norm_before_residual:
+                hidden = normed
         else:
             x = self.input_layernorm(hidden)
         hidden = hidden + self.self_attn(x, cos, sin, attend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def window_keep(anchors: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
+    """[m, n_keys]: committed key j is within ``window`` of the row's anchor position (j <= anchor is the mask's job)."""
+    return (anchors[:, None] - torch.arange(n_keys, device=anchors.device)[None, :]) < window
 
 
 def attend_masked(q, k, v, mask):
@@ -192,10 +228,23 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, cfg: dict, d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None):
         super().__init__()
         self.config = dict(cfg)
-        h, d = cfg["hidden_size"], cfg["draft_vocab_size"]
+        h, d, ht = cfg["hidden_size"], cfg["draft_vocab_size"], cfg["target_hidden_size"]
         self.aux_layers = list(cfg["aux_layers"])
-        self.fc = nn.Linear(len(self.aux_layers) * cfg["target_hidden_size"], h, bias=False)
+        if self.aux_layers != sorted(self.aux_layers):
+            # engines feed fc the captured layers in ascending order (eagle3_import.sort_aux sorts old heads)
+            raise ValueError(f"EAGLE-3 aux layers {self.aux_layers} are not ascending: vLLM, SGLang and TensorRT-LLM "
+                             "feed fc the captured layers in ascending order; list them sorted")
+        self.layout = layout(cfg)
+        n_aux, eps = len(self.aux_layers), cfg["rms_norm_eps"]
+        if self.layout["norm_before_fc"]:
+            self.input_norm = LlamaRMSNorm(n_aux * ht, eps)
+        if self.layout["fc_norm"]:
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(ht, eps) for _ in range(n_aux))
+        self.fc = nn.Linear(n_aux * ht, h, bias=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, fused=i == 0) for i in range(cfg["num_layers"]))
+        types = cfg.get("layer_types") or []
+        self.windows = [cfg.get("sliding_window") if i < len(types) and types[i] == "sliding_attention" else None
+                        for i in range(cfg["num_layers"])]
         self.norm = LlamaRMSNorm(h, cfg["rms_norm_eps"])
         self.lm_head = nn.Linear(h, d, bias=False)
         if d2t is None:
@@ -214,6 +263,10 @@ class Eagle3Drafter(nn.Module):
     @classmethod
     def from_recipe(cls, recipe, target, token_counts: torch.Tensor | None) -> Eagle3Drafter:
         e = recipe.drafter.eagle3
+        if e.init_from:  # fine-tune an existing head (spectrain's, speculators' or the EAGLE/SGLang format)
+            from spectrain.drafters.eagle3_import import init_from_head
+
+            return init_from_head(cls, e.init_from, recipe, target)
         aux = target.validate_aux_layers(list(e.aux_layers) or target.default_aux_layers())
         d2t, t2d = build_draft_vocab(token_counts, e.draft_vocab_size, target.vocab_size)
         cfg = config_from_target(target, e, aux, e.draft_vocab_size)
@@ -239,10 +292,21 @@ class Eagle3Drafter(nn.Module):
         cos, sin = self.rotary(hidden, position_ids)
         for layer, attend in zip(self.layers, attends):
             hidden = layer(hidden, emb, cos, sin, attend)
-        return hidden, self.lm_head(self.norm(hidden))
+        normed = self.norm(hidden)
+        # norm_output: the normed state, not the pre-norm one, is what the next step builds on
+        return (normed if self.layout["norm_output"] else hidden), self.lm_head(normed)
 
     def _inputs(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.fc.weight.dtype)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """[..., n_aux*H_t] concatenated aux states -> the fused hidden [..., H] (the optional norms, then fc)."""
+        x = self._inputs(aux)
+        if self.layout["norm_before_fc"]:
+            x = self.input_norm(x)
+        if self.layout["fc_norm"]:
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), -1))], -1)
+        return self.fc(x)
 
     def ttt_logits(self, input_ids, attention_mask, aux, target, steps: int | None = None) -> list[torch.Tensor]:
         """Unrolled TTT forward: per step i, logits [B,T,D] at every anchor t (see module docstring)."""
@@ -254,8 +318,8 @@ class Eagle3Drafter(nn.Module):
         causal = idx[None, :] <= idx[:, None]
         # a padded query still sees itself, so no softmax row is empty
         mask0 = (causal[None] & (am[:, None, :] | torch.eye(t, dtype=torch.bool, device=am.device)))[:, None]
-        attends = [TTTAttention(mask0) for _ in self.layers]
-        hidden = self.fc(self._inputs(aux))
+        attends = [TTTAttention(mask0 if w is None else mask0 & window_keep(idx, t, w)) for w in self.windows]
+        hidden = self.fuse(aux)
         out = []
         for i in range(steps):
             with torch.no_grad():
@@ -314,9 +378,11 @@ class Eagle3Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, target) -> Eagle3Drafter:
+        from spectrain.drafters.eagle3_import import sort_aux
+
         cfg = read_head_config(path, "eagle3", target, "EAGLE-3 head")
         target.validate_aux_layers(cfg["aux_layers"])
-        state = load_file(str(Path(path) / WEIGHTS_NAME))
+        cfg, state = sort_aux(cfg, load_file(str(Path(path) / WEIGHTS_NAME)), f"EAGLE-3 head at {path}")
         model = cls(cfg, state["d2t"], state["t2d"])
         model.load_state_dict(state, strict=True)
         return model.to(target.device)
@@ -351,16 +417,22 @@ class Eagle3Proposer(Drafter):
         z = w.new_zeros(1, c["num_attention_heads"], 0, c["head_dim"])
         return [(z, z) for _ in self.model.layers]
 
-    def _run(self, emb, hidden, positions, mask, temp):
-        """One step for m rows attending to cache + temp + themselves (mask [m, n + n_temp + m]).
+    def _run(self, emb, hidden, positions, mask, temp, anchors, committed: int):
+        """One step for m rows attending to cache + temp + themselves (mask [m, n + n_temp + m]); the first
+        ``committed`` columns are committed positions 0.., which sliding layers window around ``anchors`` [m].
         Returns (layer output [1,m,H], logits [m,D] fp32, the rows' new per-layer K/V)."""
         new = []
 
         def make(li):
+            lmask, w = mask, self.model.windows[li]
+            if w is not None:
+                lmask = mask.clone()
+                lmask[:, :committed] &= window_keep(anchors, committed, w)
+
             def attend(q, k, v):
                 new.append((k, v))
                 (ck, cv), (tk, tv) = self.cache[li], temp[li]
-                return attend_masked(q, torch.cat([ck, tk, k], 2), torch.cat([cv, tv, v], 2), mask)
+                return attend_masked(q, torch.cat([ck, tk, k], 2), torch.cat([cv, tv, v], 2), lmask)
             return attend
 
         m = self.model
@@ -389,11 +461,11 @@ class Eagle3Proposer(Drafter):
                                  f"is at {total - 1}; features must lag the tokens by one (base.py contract)")
             m = self.model
             emb = self.target.embed(ctx.tokens[f.start + 1: f.start + 1 + n_new])
-            hidden = m.fc(m._inputs(f.aux))[None]
+            hidden = m.fuse(f.aux)[None]
             pos = torch.arange(f.start, f.start + n_new, device=hidden.device)
             causal = torch.ones(n_new, n_new, dtype=torch.bool, device=hidden.device).tril()
             mask = torch.cat([causal.new_ones(n_new, self.n), causal], 1)
-            h, logits, new = self._run(emb, hidden, pos, mask, self._empty())
+            h, logits, new = self._run(emb, hidden, pos, mask, self._empty(), pos, self.n + n_new)
             self.cache = self._append(self.cache, new)
             self.n = f.start + n_new
             self.root_hidden, self.root_logits = h[:, -1:], logits[-1]
@@ -436,7 +508,7 @@ class Eagle3Proposer(Drafter):
             # drafted token j+1 sits at position n + j and sees the whole cache + drafted 0..j
             mask = torch.ones(1, self.n + j + 1, dtype=torch.bool, device=h.device)
             pos = torch.tensor([self.n + j], device=h.device)
-            h, lg, new = self._run(self.target.embed(tok), h, pos, mask, temp)
+            h, lg, new = self._run(self.target.embed(tok), h, pos, mask, temp, pos.new_full((1,), self.n - 1), self.n)
             temp, logits = self._append(temp, new), lg[0]
         tokens = torch.cat(toks) if toks else torch.zeros(0, dtype=torch.long, device=self.root_logits.device)
         probs = None if ctx.sampler.greedy or not qs else torch.stack(qs)
@@ -468,7 +540,7 @@ class Eagle3Proposer(Drafter):
             mask = torch.cat([anc.new_ones(m, self.n), anc, torch.eye(m, dtype=torch.bool, device=dev)], 1)
             pos = torch.full((m,), self.n + d - 2, device=dev)
             h, lg, new = self._run(self.target.embed(torch.stack([node_tok[i] for i in expand])),
-                                   torch.stack(hid)[None], pos, mask, temp)
+                                   torch.stack(hid)[None], pos, mask, temp, pos.new_full((m,), self.n - 1), self.n)
             temp, layer = self._append(temp, new), []
             for r, i in enumerate(expand):
                 fwd_of[i] = base + r
