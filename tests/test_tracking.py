@@ -34,9 +34,10 @@ def test_metric_keys_and_bookkeeping():
         == ["train/loss", "train/acc_2", "train/sim_tau_proxy", "train/lr", "train/tokens_per_s", "eval/acc_0",
             None, None]
     metrics, book = split_record({"step": 3, "split": "heldout", "heldout_rows": 13, "eval/sim_tau_proxy": 1.5,
-                                  "eval/acc_0": 0.25, "wall_s": 2.0, "skipped": 1, "interrupted_by": None})
+                                  "eval/acc_0": 0.25, "wall_s": 2.0, "skipped": 1, "interrupted_by": None,
+                                  "eval/loss_tokens": 99.0})
     assert metrics == {"eval/sim_tau_proxy": 1.5, "eval/acc_0": 0.25, "train/skipped": 1}
-    assert book == {"run/heldout_rows": 13, "run/wall_s": 2.0}
+    assert book == {"run/heldout_rows": 13, "run/wall_s": 2.0, "run/heldout_loss_tokens": 99.0}
 
 
 def _records():
