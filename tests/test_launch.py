@@ -84,7 +84,11 @@ def test_under_a_launcher_the_process_trains(monkeypatch):
                           "accelerate_config": None})()
     assert L.train_command(args) == 0 and calls[-1][0] == "launched"  # the recipe's launch section
     monkeypatch.setenv("LOCAL_RANK", "0")  # e.g. `accelerate launch -m spectrain train ...`
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "x")  # records the original state, restored after the test
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
     assert L.train_command(args) == 0 and calls[-1] == ("tiny/eagle3", ["launch.nproc=2"])
+    assert os.environ["ACCELERATE_USE_CPU"] == "1"  # no CUDA: the ranks form one gloo group without help
 
 
 @pytest.mark.slow
@@ -104,6 +108,6 @@ def test_two_cpu_ranks(tmp_path):
     cfg = resources.accelerate_configs()["cpu_ddp"]
     p = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "-m",
                         "spectrain", "train", "tiny/eagle3", *common, "launch.nproc=8", "output_dir=runs/b"],
-                       cwd=tmp_path, env={**env, "ACCELERATE_USE_CPU": "1"}, capture_output=True, text=True, timeout=600)
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # no ACCELERATE_USE_CPU
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads((tmp_path / "runs/b/run_info.json").read_text())["world_size"] == 2
