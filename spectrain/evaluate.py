@@ -400,7 +400,7 @@ def main(args) -> int:
         for cfg in cfgs:
             for ps in sets:
                 cell = cells[(d, cfg.label, ps.name)]
-                cell["stats"] = DecodeStats.merge(cell["stats"])
+                cell["prompt_stats"], cell["stats"] = cell["stats"], DecodeStats.merge(cell["stats"])
                 records.append(report.make_record(d, cfg, ps, cell, baselines[(cfg.temperature, ps.name)],
                                                   args.cost_ratio))
     meta = report.run_metadata(args, target_name, target, sets, baselines)

@@ -70,6 +70,15 @@ class Eagle3Config:
     norm_output: bool = False  # feed the final norm's output to the next step
     sliding_window: int = 0  # > 0: every draft layer attends to anchors within this window (speculators' default 2048)
     init_from: str = ""  # a head dir to fine-tune (spectrain, speculators/vLLM or EAGLE/SGLang format)
+    # target: lm_head = the target's lm_head rows of the draft vocabulary (target_with_norm: also the
+    # final norm's weight from the target's final norm); random: normal(0, 0.02)
+    lm_head_init: Literal["random", "target", "target_with_norm"] = "random"
+    freeze_lm_head: bool = False
+    # which TTT positions carry loss: "predicted" = the predicted token is an assistant token;
+    # "input" = the step's input token is (the speculators rule)
+    loss_positions: Literal["predicted", "input"] = "predicted"
+    # positions whose target argmax lies outside the draft vocab: "mask" = no loss there, "keep" = trained
+    out_of_vocab: Literal["mask", "keep"] = "mask"
 
 
 @dataclass
@@ -121,6 +130,9 @@ class TrainingConfig:
     feature_cache: str = ""
     max_nan_steps: int = 10
     num_workers: int = 0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    num_threads: int = 0  # torch CPU threads; 0 = $SPECTRAIN_NUM_THREADS, else the cores this process may use
+    packing: bool = False  # pack each micro-batch's rows into one row with document masking (EAGLE-3)
 
     def grad_accum(self, world_size: int = 1) -> int:
         """Micro-steps per optimizer step so that one step sees exactly `global_batch_size` rows."""
@@ -276,7 +288,12 @@ def validate(r: Recipe) -> Recipe:
     _require(t.grad_clip >= 0, f"training.grad_clip={t.grad_clip} must be >= 0 (0 = off)")
     for k in ("checkpoint_every", "eval_every", "max_nan_steps", "num_workers"):
         _require(getattr(t, k) >= 0, f"training.{k}={getattr(t, k)} must be >= 0")
+    _require(len(t.adam_betas) == 2 and all(0.0 <= b < 1.0 for b in t.adam_betas),
+             f"training.adam_betas={t.adam_betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    _require(t.num_threads >= 0, f"training.num_threads={t.num_threads} must be >= 0 (0 = from the CPU affinity)")
     _require(t.keep_checkpoints >= 1, f"training.keep_checkpoints={t.keep_checkpoints} must be >= 1")
+    _require(not t.packing or dr.kind == "eagle3", f"training.packing=true is implemented for drafter.kind=eagle3 "
+             f"only (got {dr.kind}); set training.packing=false")
     e = dr.eagle3
     _require(all(i >= 0 for i in e.aux_layers) and len(set(e.aux_layers)) == len(e.aux_layers),
              f"drafter.eagle3.aux_layers={e.aux_layers} must be distinct layer ids >= 0 ([] = derive)")

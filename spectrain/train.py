@@ -36,17 +36,19 @@ import torch
 from torch import nn
 
 from spectrain import checkpoint as ckpt
-from spectrain.engine import (  # noqa: F401  (resolve_precision: re-exported)
+from spectrain.engine import (  # noqa: F401  (resolve_precision, resolve_num_threads: re-exported)
     full_state_dict,
     is_sharded,
     load_target_for,
     make_accelerator,
+    resolve_num_threads,
     resolve_precision,
     shard_target,
     shard_target_fsdp,
     zero3,
 )
 from spectrain.losses import sim_tau
+from spectrain.packing import pack_rows
 from spectrain.sources import OnlineSource, make_sources  # noqa: F401  (re-exported for scripts and tests)
 from spectrain.target import gathered
 
@@ -149,7 +151,7 @@ def build_optimizer(recipe, drafter: nn.Module, target) -> tuple[torch.optim.Opt
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]  # norms and biases: no weight decay
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=tuple(t.adam_betas), eps=1e-8)
     return opt, params
 
 
@@ -175,8 +177,9 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
 
     from spectrain.data import build_dataset, token_frequencies
 
-    acc = make_accelerator(recipe)
     t = recipe.training
+    torch.set_num_threads(resolve_num_threads(t.num_threads))
+    acc = make_accelerator(recipe)
     if acc.device.type == "cpu":
         torch.set_flush_denormal(True)  # tiny Adam/grad values as denormals make CPU kernels crawl
     set_seed(t.seed)
@@ -266,6 +269,8 @@ def train_step(run) -> dict:
     losses, parts, tokens, finite = [], [], 0, True
     for mb in step_micro_batches(run):
         batch, feats = run.train_src.get(mb)
+        if t.packing:  # one row of real tokens per micro-batch, attention masked per document
+            batch, feats = pack_rows(batch, feats)
         tokens += int(batch["attention_mask"].sum())
         with acc.accumulate(run.model):
             with acc.autocast():
