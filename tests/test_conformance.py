@@ -27,7 +27,7 @@ from spectrain.target import FrozenTarget
 torch.set_num_threads(1)
 FIX = Path(__file__).parent / "fixtures" / "conformance"
 REPO = Path(__file__).resolve().parents[1]
-SPEC_VARIANTS = ("default", "window8", "plain", "fcnorm")
+SPEC_VARIANTS = ("default", "bf16", "window8", "plain", "fcnorm")
 SPECTRAIN_VARIANTS = ("plain", "speculators-defaults")
 TOL = 1e-5
 
@@ -81,6 +81,13 @@ def test_sliding_window_matters_in_the_window8_fixture(target):
     assert head.windows == [8]
     head.windows = [None]  # the same weights with full attention: another function on these 24-token inputs
     assert ttt_diff(head, target, FIX, recorded(d)) > 1e-3
+
+
+def test_bf16_head_computes_with_the_rounded_embedding(target):
+    head = load_drafter(FIX / "speculators_bf16", target).model
+    assert head.config["embed_dtype"] == "bfloat16"
+    head.config["embed_dtype"] = None  # the target's fp32 rows instead: measurably another function
+    assert ttt_diff(head, target, FIX, recorded(FIX / "speculators_bf16")) > TOL
 
 
 def test_speculators_default_layout_is_what_its_trainer_writes():

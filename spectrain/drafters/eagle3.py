@@ -299,6 +299,13 @@ class Eagle3Drafter(nn.Module):
     def _inputs(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.fc.weight.dtype)
 
+    def _emb(self, e: torch.Tensor) -> torch.Tensor:
+        """The target's embedding rows as this head sees them: an imported head that stored the embedding in a
+        lower precision (speculators saves bf16) computed with those rounded rows (config ``embed_dtype``)."""
+        if self.config.get("embed_dtype"):
+            e = e.to(getattr(torch, self.config["embed_dtype"]))
+        return self._inputs(e)
+
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[..., n_aux*H_t] concatenated aux states -> the fused hidden [..., H] (the optional norms, then fc)."""
         x = self._inputs(aux)
@@ -323,7 +330,7 @@ class Eagle3Drafter(nn.Module):
         out = []
         for i in range(steps):
             with torch.no_grad():
-                emb = self._inputs(target.embed(_shift(input_ids, 1 + i)))
+                emb = self._emb(target.embed(_shift(input_ids, 1 + i)))
             hidden, logits = self.step(emb, hidden, pos0 + i, attends)
             out.append(logits)
         return out
@@ -436,7 +443,7 @@ class Eagle3Proposer(Drafter):
             return attend
 
         m = self.model
-        h, logits = m.step(m._inputs(emb)[None], hidden, positions[None], [make(i) for i in range(len(m.layers))])
+        h, logits = m.step(m._emb(emb)[None], hidden, positions[None], [make(i) for i in range(len(m.layers))])
         return h, logits[0].float(), new
 
     @staticmethod
