@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-PROMPTS_DIR = Path(__file__).resolve().parents[1] / "eval" / "prompts"
+from spectrain.resources import prompts_dir
+
+PROMPTS_DIR = prompts_dir()  # eval/prompts/ of the checkout, or the copy inside the installed wheel
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 DEFAULT_OOD_SETS = [f"spec_bench/{c}" for c in SPEC_BENCH_CATEGORIES] + ["humaneval"]
 
@@ -243,9 +245,11 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="c = one draft step's cost relative to one target pass, for the predicted speedup "
                         "tau/(1+k*c) (default: the c measured in this run, labelled as measured)")
     p.add_argument("--out", default=None, help="output dir (default runs/eval-<UTC timestamp>)")
-    p.add_argument("--report-to", choices=["none", "wandb"], default="none",
-                   help="also log curves and tables to wandb (WANDB_MODE=offline works without network)")
-    p.add_argument("--wandb-project", default="spectrain", help="wandb project name")
+    p.add_argument("--report-to", choices=["none", "wandb", "tensorboard"], action="append", default=None,
+                   help="also log one scalar per (drafter, decode, prompt set), curves and tables to wandb "
+                        "(WANDB_MODE=offline works without network) or tensorboard; repeatable")
+    p.add_argument("--wandb-project", default=None,
+                   help="wandb project (default: the evaluated training run's, else spectrain)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--device-map", default=None, choices=["auto", "balanced", "balanced_low_0", "sequential"],
                    help="spread a target too large for one GPU over all visible GPUs (HF device_map)")
@@ -396,7 +400,7 @@ def main(args) -> int:
         for cfg in cfgs:
             for ps in sets:
                 cell = cells[(d, cfg.label, ps.name)]
-                cell["stats"] = DecodeStats.merge(cell["stats"])
+                cell["prompt_stats"], cell["stats"] = cell["stats"], DecodeStats.merge(cell["stats"])
                 records.append(report.make_record(d, cfg, ps, cell, baselines[(cfg.temperature, ps.name)],
                                                   args.cost_ratio))
     meta = report.run_metadata(args, target_name, target, sets, baselines)

@@ -31,6 +31,7 @@ norm_before_fc, norm_before_residual and norm_output to true):
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from spectrain.drafters.eagle3_decode import Eagle3Proposer, window_keep
 from spectrain.drafters.head_io import WEIGHTS_NAME, read_head_config, save_head
 from spectrain.losses import drafter_loss, hard_ce, sim_tau
+from spectrain.packing import DocTTTAttention, PackedDocs
 
 
 # ---- draft vocabulary ------------------------------------------------------------------------
@@ -242,6 +244,8 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", t2d.bool().clone())
         self.rotary = LlamaRotaryEmbedding(layer_config(cfg))
         self.apply(self._init_weights)
+        if cfg.get("freeze_lm_head", False):
+            self.lm_head.weight.requires_grad_(False)
 
     @staticmethod
     def _init_weights(m):
@@ -260,12 +264,34 @@ class Eagle3Drafter(nn.Module):
         d2t, t2d = build_draft_vocab(token_counts, e.draft_vocab_size, target.vocab_size)
         cfg = config_from_target(target, e, aux, e.draft_vocab_size)
         cfg["loss"] = recipe.drafter.loss
+        cfg.update(lm_head_init=e.lm_head_init, freeze_lm_head=e.freeze_lm_head, loss_positions=e.loss_positions,
+                   out_of_vocab=e.out_of_vocab)
         from spectrain.features import target_fingerprint
 
         # Same shapes do not mean same weights: a head trained on another build of the target
         # loads fine and then accepts almost nothing. Record which target it was trained on.
         cfg["target_fingerprint"] = target_fingerprint(target)
-        return cls(cfg, d2t, t2d).to(target.device)
+        model = cls(cfg, d2t, t2d)
+        if e.lm_head_init != "random":
+            model.init_head_from_target(target, with_norm=e.lm_head_init == "target_with_norm")
+        return model.to(target.device)
+
+    @torch.no_grad()
+    def init_head_from_target(self, target, with_norm: bool = False) -> None:
+        """lm_head = the target's lm_head rows of the draft vocabulary (a head that starts out mapping a
+        target-like hidden state to the target's logits); with_norm also copies the final norm's scale."""
+        w = target.lm_head.weight
+        if getattr(target.lm_head, "bias", None) is not None:
+            raise ValueError("drafter.eagle3.lm_head_init=target: the target's lm_head has a bias, which the "
+                             "EAGLE-3 head's lm_head cannot hold; use lm_head_init=random")
+        self.lm_head.weight.copy_(w[self.draft_ids.to(w.device)].to(self.lm_head.weight))
+        if with_norm:
+            self.norm.weight.copy_(target.norm.weight.to(self.norm.weight))
+            x = torch.randn(2, self.norm.weight.numel(), dtype=torch.float32)
+            # a target norm with another formula (e.g. Gemma's x * (1 + w)) cannot be copied weight for weight
+            if not torch.allclose(self.norm.float()(x), copy.deepcopy(target.norm).float().cpu()(x), atol=1e-4):
+                raise ValueError(f"drafter.eagle3.lm_head_init=target_with_norm: the target's final norm "
+                                 f"({type(target.norm).__name__}) is not an RMSNorm x * w; use lm_head_init=target")
 
     def feature_spec(self) -> dict:
         return {"aux_layers": list(self.aux_layers), "want_last_hidden": True}
@@ -304,17 +330,25 @@ class Eagle3Drafter(nn.Module):
             x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), -1))], -1)
         return self.fc(x)
 
-    def ttt_logits(self, input_ids, attention_mask, aux, target, steps: int | None = None) -> list[torch.Tensor]:
-        """Unrolled TTT forward: per step i, logits [B,T,D] at every anchor t (see module docstring)."""
+    def ttt_logits(self, input_ids, attention_mask, aux, target, steps: int | None = None,
+                   docs: PackedDocs | None = None) -> list[torch.Tensor]:
+        """Unrolled TTT forward: per step i, logits [B,T,D] at every anchor t (see module docstring).
+        ``docs``: the row is packed (spectrain.packing); attention stays inside each document."""
         steps = steps or self.config["ttt_steps"]
-        b, t = input_ids.shape
-        am = attention_mask.bool()
-        pos0 = (am.long().cumsum(1) - 1).clamp_min(0)
-        idx = torch.arange(t, device=input_ids.device)
-        causal = idx[None, :] <= idx[:, None]
-        # a padded query still sees itself, so no softmax row is empty
-        mask0 = (causal[None] & (am[:, None, :] | torch.eye(t, dtype=torch.bool, device=am.device)))[:, None]
-        attends = [TTTAttention(mask0 if w is None else mask0 & window_keep(idx, t, w)) for w in self.windows]
+        if docs is not None:
+            if any(w is not None for w in self.windows):
+                raise ValueError("training.packing=true does not support drafter.eagle3.sliding_window > 0 yet; "
+                                 "set training.packing=false or sliding_window=0")
+            pos0, attends = docs.positions, [DocTTTAttention(docs) for _ in self.layers]
+        else:
+            t = input_ids.shape[1]
+            am = attention_mask.bool()
+            pos0 = (am.long().cumsum(1) - 1).clamp_min(0)
+            idx = torch.arange(t, device=input_ids.device)
+            causal = idx[None, :] <= idx[:, None]
+            # a padded query still sees itself, so no softmax row is empty
+            mask0 = (causal[None] & (am[:, None, :] | torch.eye(t, dtype=torch.bool, device=am.device)))[:, None]
+            attends = [TTTAttention(mask0 if w is None else mask0 & window_keep(idx, t, w)) for w in self.windows]
         hidden = self.fuse(aux)
         out = []
         for i in range(steps):
@@ -329,22 +363,29 @@ class Eagle3Drafter(nn.Module):
         ids, am, lm = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
         steps, decay = self.config["ttt_steps"], self.config["ttt_decay"]
         name = self.config.get("loss", "fkl")
+        # a position is trained when its predicted token (default) or its input token is the assistant's
+        lead = 2 if self.config.get("loss_positions", "predicted") == "predicted" else 1
+        keep_oov = self.config.get("out_of_vocab", "mask") == "keep"
         to_draft = torch.cumsum(self.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
         with torch.no_grad():
             tlogits = target.logits_from_last_hidden(feats["last_hidden"])
             in_vocab = self.t2d[tlogits.argmax(-1)]
             teacher = tlogits[..., self.draft_ids].float()  # restricted; its softmax is renormalised
             del tlogits
-        logits = self.ttt_logits(ids, am, feats["aux"], target, steps)
+        docs = PackedDocs(batch["doc_lengths"]) if "doc_lengths" in batch else None
+        inside = docs.same_doc if docs is not None else (lambda n: True)  # packed: not past the document's end
+        logits = self.ttt_logits(ids, am, feats["aux"], target, steps, docs)
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
         run = torch.ones_like(am)  # all earlier steps correct at this anchor
         for i, lg in enumerate(logits):
             tch = _shift(teacher, 1 + i)
-            mask = _shift(lm & am, 2 + i, False) & _shift(in_vocab, 1 + i, False)
+            sup = _shift(lm & am, lead + i, False) & inside(lead + i)
+            mask = sup if keep_oov else sup & _shift(in_vocab, 1 + i, False)
             if name == "hard_ce":  # labels = the data's token t+2+i, where the draft vocabulary has it
                 data = _shift(ids, 2 + i)
-                li = hard_ce(lg, to_draft[data].clamp_min(0), _shift(lm & am, 2 + i, False) & self.t2d[data])
+                li = hard_ce(lg, to_draft[data].clamp_min(0),
+                             sup & _shift(am, 2 + i, False) & inside(2 + i) & self.t2d[data])
             else:
                 li = drafter_loss(name, lg, tch, None, mask)
             total = total + decay**i * li
@@ -359,7 +400,7 @@ class Eagle3Drafter(nn.Module):
             if i == 0:
                 metrics["tokens"] = float(n)
                 # assistant tokens whose predicting position has its target argmax outside the draft vocab
-                asst = lm[:, 1:] & am[:, 1:]
+                asst = lm[:, 1:] & am[:, 1:] & (docs.same_doc(1) if docs is not None else am)[:, :-1]
                 metrics["frac_out_of_draft_vocab"] = float((asst & ~in_vocab[:, :-1]).sum()) / max(
                     float(asst.sum()), 1.0)
         metrics["loss"] = float(total.detach())
