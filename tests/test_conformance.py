@@ -121,14 +121,16 @@ def test_speculators_default_head_trains_in_spectrain(target):
 
     r = Recipe()
     r.drafter.eagle3.init_from, r.drafter.eagle3.ttt_steps = str(FIX / "speculators_default"), 3
+    r.drafter.eagle3.freeze_lm_head = True  # as speculators trains it
     head = Eagle3Drafter.from_recipe(r, target, None)
     assert head.layout["norm_before_fc"] and head.config["init_from"].endswith("speculators_default")
+    assert not head.lm_head.weight.requires_grad
     assert ttt_diff(head, target, FIX, recorded(FIX / "speculators_default")) <= TOL
     ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     out = target(ids, aux_layers=head.aux_layers, want_last_hidden=True, want_logits=False)
     feats = {"aux": torch.cat(out.aux_hidden, -1), "last_hidden": out.last_hidden}
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     before = head.input_norm.weight.detach().clone()
     losses = []
     for _ in range(4):

@@ -278,7 +278,12 @@ def init_from_head(cls, path, recipe, target) -> Eagle3Drafter:
                       + ", ".join(ignored), stacklevel=2)
     from spectrain.features import target_fingerprint
 
+    if e.lm_head_init != "random":
+        warnings.warn(f"drafter.eagle3.lm_head_init={e.lm_head_init} ignored: init_from={path} supplies the lm_head",
+                      stacklevel=2)
+    # training rules come from the recipe (speculators trains with a frozen lm_head: freeze_lm_head=true)
     cfg.update(ttt_steps=e.ttt_steps, ttt_decay=e.ttt_decay, loss=recipe.drafter.loss, init_from=str(path),
+               freeze_lm_head=e.freeze_lm_head, loss_positions=e.loss_positions, out_of_vocab=e.out_of_vocab,
                target=target.name_or_path, target_fingerprint=target_fingerprint(target))
     model = cls(cfg, head.d2t, head.t2d)
     model.load_state_dict(head.state_dict(), strict=True)
