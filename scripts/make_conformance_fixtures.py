@@ -220,6 +220,31 @@ def spectrain_variant(out: Path, name: str, target_dir: Path, ids, aux, meta: di
     diff = max(float((mine[i][0, : n - 1 - i] - logits[i, : n - 1 - i]).abs().max()) for i in range(TTT))
     meta[f"spectrain_{name}"] = {"flags": SPECTRAIN_VARIANTS[name], "speculators_vs_spectrain_max_abs": diff,
                                  "attn_implementation": spec.config.transformer_layer_config._attn_implementation}
+    if not SPECTRAIN_VARIANTS[name]:  # the EAGLE/SGLang layout has no extra norms: export it too
+        meta[f"spectrain_{name}"]["sglang_via_speculators_converter_max_abs"] = sglang_through_converter(
+            d, target_dir, target, head, ids, aux)
+
+
+def sglang_through_converter(d: Path, target_dir: Path, target, head, ids, aux) -> float:
+    """spectrain's sglang-eagle3 export read by speculators' own reader of that format (Eagle3Converter, which
+    `SpeculatorModel.from_pretrained` runs on non-speculators checkpoints). The converter takes no aux ids from
+    eagle_config (it leaves them to the verifier default, equal here), and the export holds no embedding, which
+    speculators then leaves uninitialised (documented): the target's is loaded into the converted model."""
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+
+    from spectrain.export import export
+
+    export(d / "head", "sglang-eagle3", d / "sglang", target=str(target_dir))
+    tmp = d / "converted"
+    Eagle3Converter().convert(d / "sglang", tmp, base_model=str(target_dir), validate=False)
+    spec = load_speculator(tmp)
+    spec.embed_tokens.weight.data.copy_(target.embed_tokens.weight)
+    logits = spec_logits(spec, ids, aux)
+    shutil.rmtree(tmp)
+    with torch.no_grad():
+        mine = head.eval().ttt_logits(ids, torch.ones_like(ids), aux, target, TTT)
+    n = ids.shape[1]
+    return max(float((mine[i][0, : n - 1 - i] - logits[i, : n - 1 - i]).abs().max()) for i in range(TTT))
 
 
 def record(ckpt: Path, target_dir: Path, out: Path, lengths=(17, 64, 128)) -> None:

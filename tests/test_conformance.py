@@ -107,6 +107,16 @@ def test_speculators_logits_on_spectrain_export_equal_spectrain(target, variant)
     assert set(mine) == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+def test_sglang_export_read_by_speculators_converter(target):
+    """speculators' reader of the EAGLE/SGLang format (Eagle3Converter) computed spectrain's logits on the
+    sglang-eagle3 export (recorded when the fixtures were made), and spectrain imports it back identically."""
+    meta = json.loads((FIX / "meta.json").read_text())
+    assert meta["spectrain_plain"]["sglang_via_speculators_converter_max_abs"] <= TOL
+    head = Eagle3Drafter.from_pretrained(FIX / "spectrain_plain" / "head", target)
+    back = import_eagle3(FIX / "spectrain_plain" / "sglang", target)
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), back.state_dict().values()))
+
+
 def test_imported_default_layout_decodes_losslessly(target):
     drafter = load_drafter(FIX / "speculators_default", target)
     ids = load_file(str(FIX / "inputs.safetensors"))["input_ids"][0, :8]
@@ -162,6 +172,7 @@ def test_real_speculators_package_regenerates_conformance(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     meta = json.loads((root / "meta.json").read_text())
     assert all(meta[f"spectrain_{v}"]["speculators_vs_spectrain_max_abs"] <= TOL for v in SPECTRAIN_VARIANTS)
+    assert meta["spectrain_plain"]["sglang_via_speculators_converter_max_abs"] <= TOL
     target = fixture_target(root)
     for v in SPEC_VARIANTS:
         assert ttt_diff(load_drafter(root / f"speculators_{v}", target).model, target, root,
