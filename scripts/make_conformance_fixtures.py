@@ -28,6 +28,11 @@ It writes (all small, fp32, < 2 MB in total):
 
 tests/test_conformance.py replays these files in the project environment (fast) and, when
 $SPECTRAIN_SPECULATORS_PYTHON (or /work/spec_venv/bin/python) exists, reruns this script (slow).
+
+``--record CKPT --target T --out DIR`` instead records speculators' forward of an existing speculators
+checkpoint (e.g. one its trainer wrote) on fixed random rows of target T: DIR/row<i>.safetensors with
+input_ids, aux features and per-step logits. scripts/check_speculators_import.py compares spectrain's
+import against them.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ SEQ = 24
 DEFAULT_FLAGS = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
 SPEC_VARIANTS = {  # flags, draft vocab (0 = full), keep embed_tokens in the saved file, sliding window
     "default": (DEFAULT_FLAGS, 96, True, 2048),
+    "bf16": (DEFAULT_FLAGS, 96, True, 2048),  # saved in bf16, as speculators' trainer saves
     "window8": (DEFAULT_FLAGS, 96, True, 8),  # a window shorter than the inputs: windowed attention for real
     "plain": ({"norm_before_residual": False, "norm_before_fc": False, "norm_output": False}, 0, False, 2048),
     "fcnorm": ({"norm_before_residual": False, "norm_before_fc": False, "norm_output": True, "fc_norm": True}, 96, True,
@@ -80,14 +86,14 @@ def inputs(model, out: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, aux
 
 
-def spec_logits(model, ids: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+def spec_logits(model, ids: torch.Tensor, aux: torch.Tensor, steps: int = TTT) -> torch.Tensor:
     """speculators' own TTT forward on its training layout (eagle3.data.shift_batch): per step [n-1, D]."""
     captured = []
     hook = model.lm_head.register_forward_hook(lambda m, i, o: captured.append(o.detach().float()))
     n = ids.shape[1]
     with torch.no_grad():
         model(hidden_states=aux[:, :-1], input_ids=ids[:, 1:], document_ids=torch.zeros(1, n - 1, dtype=torch.long),
-              position_ids=torch.arange(1, n)[None], ttt_steps=TTT)
+              position_ids=torch.arange(1, n)[None], ttt_steps=steps)
     hook.remove()
     return torch.stack([c[0] for c in captured])
 
@@ -159,6 +165,8 @@ def speculators_variant(out: Path, name: str, target_dir: Path, target, ids, aux
     model = make_speculator(target_dir, flags, draft_vocab, counts, window)
     losses = train_a_few_steps(model, target)
     d = out / f"speculators_{name}"
+    if name == "bf16":
+        model = model.to(torch.bfloat16)
     model.save_pretrained(d)
     for f in d.glob("*.py"):  # save_pretrained copies speculators' config source; loading does not need it
         f.unlink()
@@ -166,7 +174,7 @@ def speculators_variant(out: Path, name: str, target_dir: Path, target, ids, aux
         state = load_file(str(d / "model.safetensors"))
         state.pop("embed_tokens.weight")
         save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
-    live = spec_logits(model.eval(), ids, aux)
+    live = spec_logits(model.float().eval(), ids, aux)
     reloaded = load_speculator(d)
     if not keep_emb:  # documented speculators behaviour under transformers 5: the NaN sentinel is lost
         reloaded.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
@@ -212,12 +220,61 @@ def spectrain_variant(out: Path, name: str, target_dir: Path, ids, aux, meta: di
     diff = max(float((mine[i][0, : n - 1 - i] - logits[i, : n - 1 - i]).abs().max()) for i in range(TTT))
     meta[f"spectrain_{name}"] = {"flags": SPECTRAIN_VARIANTS[name], "speculators_vs_spectrain_max_abs": diff,
                                  "attn_implementation": spec.config.transformer_layer_config._attn_implementation}
+    if not SPECTRAIN_VARIANTS[name]:  # the EAGLE/SGLang layout has no extra norms: export it too
+        meta[f"spectrain_{name}"]["sglang_via_speculators_converter_max_abs"] = sglang_through_converter(
+            d, target_dir, target, head, ids, aux)
+
+
+def sglang_through_converter(d: Path, target_dir: Path, target, head, ids, aux) -> float:
+    """spectrain's sglang-eagle3 export read by speculators' own reader of that format (Eagle3Converter, which
+    `SpeculatorModel.from_pretrained` runs on non-speculators checkpoints). The converter takes no aux ids from
+    eagle_config (it leaves them to the verifier default, equal here), and the export holds no embedding, which
+    speculators then leaves uninitialised (documented): the target's is loaded into the converted model."""
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+
+    from spectrain.export import export
+
+    export(d / "head", "sglang-eagle3", d / "sglang", target=str(target_dir))
+    tmp = d / "converted"
+    Eagle3Converter().convert(d / "sglang", tmp, base_model=str(target_dir), validate=False)
+    spec = load_speculator(tmp)
+    spec.embed_tokens.weight.data.copy_(target.embed_tokens.weight)
+    logits = spec_logits(spec, ids, aux)
+    shutil.rmtree(tmp)
+    with torch.no_grad():
+        mine = head.eval().ttt_logits(ids, torch.ones_like(ids), aux, target, TTT)
+    n = ids.shape[1]
+    return max(float((mine[i][0, : n - 1 - i] - logits[i, : n - 1 - i]).abs().max()) for i in range(TTT))
+
+
+def record(ckpt: Path, target_dir: Path, out: Path, lengths=(17, 64, 128)) -> None:
+    """speculators' forward of an existing checkpoint on fixed random rows of the target, per TTT step."""
+    from transformers import AutoModelForCausalLM
+
+    model = load_speculator(ckpt)
+    aux_ids = list(model.config.eagle_aux_hidden_state_layer_ids)
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    for i, n in enumerate(lengths):
+        ids = torch.randint(0, target.config.vocab_size, (1, n), generator=g)
+        with torch.no_grad():
+            hs = target(ids, output_hidden_states=True).hidden_states
+        aux = torch.cat([hs[a] for a in aux_ids], -1).float()
+        steps = model.config.speculators_config.proposal_methods[0].speculative_tokens
+        save_file({"input_ids": ids, "aux": aux.contiguous(), "logits": spec_logits(model, ids, aux, steps).contiguous()},
+                  str(out / f"row{i}.safetensors"))
+    print(f"recorded {len(lengths)} rows of speculators' forward of {ckpt} into {out}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="tests/fixtures/conformance")
+    ap.add_argument("--record", default=None, help="a speculators checkpoint dir to record (needs --target)")
+    ap.add_argument("--target", default=None)
     a = ap.parse_args()
+    if a.record:
+        return record(Path(a.record), Path(a.target), Path(a.out))
     import importlib.metadata
 
     import transformers

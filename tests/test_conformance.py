@@ -27,7 +27,7 @@ from spectrain.target import FrozenTarget
 torch.set_num_threads(1)
 FIX = Path(__file__).parent / "fixtures" / "conformance"
 REPO = Path(__file__).resolve().parents[1]
-SPEC_VARIANTS = ("default", "window8", "plain", "fcnorm")
+SPEC_VARIANTS = ("default", "bf16", "window8", "plain", "fcnorm")
 SPECTRAIN_VARIANTS = ("plain", "speculators-defaults")
 TOL = 1e-5
 
@@ -83,6 +83,13 @@ def test_sliding_window_matters_in_the_window8_fixture(target):
     assert ttt_diff(head, target, FIX, recorded(d)) > 1e-3
 
 
+def test_bf16_head_computes_with_the_rounded_embedding(target):
+    head = load_drafter(FIX / "speculators_bf16", target).model
+    assert head.config["embed_dtype"] == "bfloat16"
+    head.config["embed_dtype"] = None  # the target's fp32 rows instead: measurably another function
+    assert ttt_diff(head, target, FIX, recorded(FIX / "speculators_bf16")) > TOL
+
+
 def test_speculators_default_layout_is_what_its_trainer_writes():
     config = json.loads((FIX / "speculators_default" / "config.json").read_text())
     assert config["norm_before_fc"] and config["norm_before_residual"] and config["norm_output"]
@@ -100,6 +107,16 @@ def test_speculators_logits_on_spectrain_export_equal_spectrain(target, variant)
     assert set(mine) == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+def test_sglang_export_read_by_speculators_converter(target):
+    """speculators' reader of the EAGLE/SGLang format (Eagle3Converter) computed spectrain's logits on the
+    sglang-eagle3 export (recorded when the fixtures were made), and spectrain imports it back identically."""
+    meta = json.loads((FIX / "meta.json").read_text())
+    assert meta["spectrain_plain"]["sglang_via_speculators_converter_max_abs"] <= TOL
+    head = Eagle3Drafter.from_pretrained(FIX / "spectrain_plain" / "head", target)
+    back = import_eagle3(FIX / "spectrain_plain" / "sglang", target)
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), back.state_dict().values()))
+
+
 def test_imported_default_layout_decodes_losslessly(target):
     drafter = load_drafter(FIX / "speculators_default", target)
     ids = load_file(str(FIX / "inputs.safetensors"))["input_ids"][0, :8]
@@ -114,14 +131,16 @@ def test_speculators_default_head_trains_in_spectrain(target):
 
     r = Recipe()
     r.drafter.eagle3.init_from, r.drafter.eagle3.ttt_steps = str(FIX / "speculators_default"), 3
+    r.drafter.eagle3.freeze_lm_head = True  # as speculators trains it
     head = Eagle3Drafter.from_recipe(r, target, None)
     assert head.layout["norm_before_fc"] and head.config["init_from"].endswith("speculators_default")
+    assert not head.lm_head.weight.requires_grad
     assert ttt_diff(head, target, FIX, recorded(FIX / "speculators_default")) <= TOL
     ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     out = target(ids, aux_layers=head.aux_layers, want_last_hidden=True, want_logits=False)
     feats = {"aux": torch.cat(out.aux_hidden, -1), "last_hidden": out.last_hidden}
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     before = head.input_norm.weight.detach().clone()
     losses = []
     for _ in range(4):
@@ -153,6 +172,7 @@ def test_real_speculators_package_regenerates_conformance(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     meta = json.loads((root / "meta.json").read_text())
     assert all(meta[f"spectrain_{v}"]["speculators_vs_spectrain_max_abs"] <= TOL for v in SPECTRAIN_VARIANTS)
+    assert meta["spectrain_plain"]["sglang_via_speculators_converter_max_abs"] <= TOL
     target = fixture_target(root)
     for v in SPEC_VARIANTS:
         assert ttt_diff(load_drafter(root / f"speculators_{v}", target).model, target, root,

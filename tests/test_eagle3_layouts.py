@@ -224,3 +224,20 @@ def test_import_refuses_what_it_cannot_represent(target, tmp_path, config, tenso
     _edit(tmp_path / "v", config, tensors)
     with pytest.raises(ValueError, match=match):
         import_eagle3(tmp_path / "v", target)
+
+
+def test_packed_ttt_takes_a_window_longer_than_the_row(target):
+    """speculators' default 2048 window masks nothing in a short packed row: packing trains that layout; a window
+    shorter than the row is refused by name (packed windowed attention is not implemented)."""
+    from spectrain.packing import PackedDocs
+
+    ids = torch.randint(3, target.vocab_size, (1, 14), generator=torch.Generator().manual_seed(5))
+    docs = PackedDocs(torch.tensor([6, 8]))
+    wide = layout_head(target, LAYOUTS[-1], sliding_window=2048)
+    aux = feats_of(target, wide, ids)["aux"]
+    with torch.no_grad():
+        packed = wide.ttt_logits(ids, torch.ones_like(ids), aux, target, 2, docs=docs)
+        alone = wide.ttt_logits(ids[:, :6], torch.ones(1, 6), aux[:, :6], target, 2)  # document 0 on its own
+    torch.testing.assert_close(packed[0][0, :5], alone[0][0, :5], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="sliding_window shorter than the packed row"):
+        layout_head(target, {}, sliding_window=4).ttt_logits(ids, torch.ones_like(ids), aux, target, 2, docs=docs)

@@ -170,11 +170,7 @@ def _weights(state: dict[str, torch.Tensor], cfg: dict, target, where: str) -> d
     state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
     emb = state.pop("embed_tokens.weight", None)
     if emb is not None:
-        mine = target.embed_tokens.weight.detach().float().cpu()
-        if tuple(emb.shape) != tuple(mine.shape) or not torch.equal(emb.float(), mine.to(emb.dtype).float()):
-            raise ValueError(f"{where}: embed_tokens.weight differs from target {target.name_or_path}'s embedding; "
-                             "spectrain's EAGLE-3 head uses the target's embedding, so this head cannot be loaded "
-                             "exactly (trained with embed_requires_grad, or for another target?)")
+        _check_embedding(emb, target, cfg, where)
     if ("d2t" in state) != ("t2d" in state):
         raise ValueError(f"{where}: holds only one of d2t / t2d; both or neither are needed")
     if "d2t" not in state:
@@ -193,6 +189,18 @@ def _weights(state: dict[str, torch.Tensor], cfg: dict, target, where: str) -> d
     if missing:
         raise ValueError(f"{where}: missing tensors {missing[:4]} that this config implies")
     return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+
+
+def _check_embedding(emb: torch.Tensor, target, cfg: dict, where: str) -> None:
+    """A stored embedding must be the target's, possibly rounded to a lower precision: then the head computed
+    with the rounded rows, which ``embed_dtype`` reproduces exactly (rounding is elementwise)."""
+    mine = target.embed_tokens.weight.detach().cpu()
+    if tuple(emb.shape) != tuple(mine.shape) or not torch.equal(emb, mine.to(emb.dtype)):
+        raise ValueError(f"{where}: embed_tokens.weight differs from target {target.name_or_path}'s embedding; "
+                         "spectrain's EAGLE-3 head uses the target's embedding, so this head cannot be loaded "
+                         "exactly (trained with embed_requires_grad, or for another target?)")
+    if emb.dtype != mine.dtype and not torch.equal(emb.to(mine.dtype), mine):
+        cfg["embed_dtype"] = str(emb.dtype).removeprefix("torch.")
 
 
 def _check_target(cfg: dict, target, where: str) -> None:
@@ -270,7 +278,12 @@ def init_from_head(cls, path, recipe, target) -> Eagle3Drafter:
                       + ", ".join(ignored), stacklevel=2)
     from spectrain.features import target_fingerprint
 
+    if e.lm_head_init != "random":
+        warnings.warn(f"drafter.eagle3.lm_head_init={e.lm_head_init} ignored: init_from={path} supplies the lm_head",
+                      stacklevel=2)
+    # training rules come from the recipe (speculators trains with a frozen lm_head: freeze_lm_head=true)
     cfg.update(ttt_steps=e.ttt_steps, ttt_decay=e.ttt_decay, loss=recipe.drafter.loss, init_from=str(path),
+               freeze_lm_head=e.freeze_lm_head, loss_positions=e.loss_positions, out_of_vocab=e.out_of_vocab,
                target=target.name_or_path, target_fingerprint=target_fingerprint(target))
     model = cls(cfg, head.d2t, head.t2d)
     model.load_state_dict(head.state_dict(), strict=True)

@@ -137,6 +137,8 @@ def _with_embedding(state: dict, cfg: dict, target: str, dtype: str) -> tuple[di
     flags = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(k)]
     notes = [f"layout {flags}: the vLLM EAGLE-3 code read for this project implements norm_before_residual (and, "
              "in some versions, norm_before_fc) only; check that your vLLM computes this layout"] if flags else []
+    if cfg.get("embed_dtype"):  # an imported head that computed with rounded rows: store exactly those
+        emb = emb.to(getattr(torch, cfg["embed_dtype"]))
     return {**state, "embed_tokens.weight": emb.to(getattr(torch, dtype))}, notes
 
 
