@@ -31,7 +31,8 @@ RECIPE = "recipes/tiny/eagle3.yaml"
 SETS = ["heldout", "spec_bench/mt_bench", "spec_bench/summarization", "spec_bench/math_reasoning",
         "spec_bench/rag", "humaneval"]
 # spectrain as on main before the study (the recipe's defaults may change; this stays fixed)
-MAIN = ["drafter.eagle3.lm_head_init=random", "drafter.eagle3.freeze_lm_head=false",
+MAIN = ["drafter.eagle3.lm_head_init=random", "drafter.eagle3.freeze_lm_head=false", "drafter.eagle3.fc_norm=false",
+        *(f"drafter.eagle3.{f}=false" for f in ("norm_before_fc", "norm_before_residual", "norm_output")),
         "training.adam_betas=0.9,0.95", "drafter.eagle3.loss_positions=predicted",
         "drafter.eagle3.out_of_vocab=mask", "training.packing=false", "training.lr=1e-3"]
 FROZEN = ["drafter.eagle3.lm_head_init=target", "drafter.eagle3.freeze_lm_head=true"]
@@ -48,6 +49,9 @@ VARIANTS: dict[str, list[str]] = {
     "best": ["drafter.eagle3.lm_head_init=target_with_norm", "drafter.eagle3.freeze_lm_head=true",
              "training.adam_betas=0.9,0.999"],
 }
+NORMS = ["drafter.eagle3.norm_before_fc=true", "drafter.eagle3.norm_before_residual=true",
+         "drafter.eagle3.norm_output=true"]  # speculators' default layer layout
+VARIANTS["best_norms"] = VARIANTS["best"] + NORMS
 
 
 def sh(cmd: list[str], log: Path, threads: int) -> None:
