@@ -134,16 +134,21 @@ def evaluate(a) -> None:
     cmd = [sys.executable, "-m", "spectrain", "eval", "--recipe", RECIPE, *[x for p in hs.values() for x in
            ("--drafter", str(p))], *[x for s in a.sets for x in ("--prompts", s)], "--n", str(a.n),
            "--max-new-tokens", "64", "--k", "5", "--temperature", "0", "--temperature", "1", "--seed", "0",
-           "--out", str(a.work / f"eval{a.steps}")]
+           "--out", str(a.work / f"eval{a.steps}{a.tag}")]
     if a.device:
         cmd += ["--device", a.device]
-    sh(cmd, a.work / "logs" / f"eval{a.steps}.log", a.threads)
+    sh(cmd, a.work / "logs" / f"eval{a.steps}{a.tag}.log", a.threads)
 
 
 def table(a) -> str:
     """tau [95% CI] per head and prompt set, T=0 and T=1, from the eval's report.json."""
-    rep = json.loads((a.work / f"eval{a.steps}" / "report.json").read_text())
-    recs = rep["records"]
+    # decoding is deterministic per (head, prompt, seed + i), so evals split over several runs (tags) on
+    # the same prompts merge into one table; a head in several runs is taken from the first
+    recs, seen = [], set()
+    for rep in sorted(a.work.glob(f"eval{a.steps}*/report.json")):
+        new = [r for r in json.loads(rep.read_text())["records"] if r["drafter"] not in seen]
+        seen |= {r["drafter"] for r in new}
+        recs += new
     sets = list(dict.fromkeys(r["prompt_set"] for r in recs))
     lines = []
     for temp in sorted({r["temperature"] for r in recs}):
@@ -178,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sets", default=",".join(SETS), help="prompt sets for the eval")
     ap.add_argument("--n", type=int, default=16, help="prompts per set")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per subprocess")
+    ap.add_argument("--tag", default="", help="suffix of the eval directory (eval<steps><tag>), to split decoding "
+                    "over several runs; the table merges every eval<steps>* directory")
     ap.add_argument("--device", default="", help="eval device (cpu, cuda); training follows accelerate")
     a = ap.parse_args(argv)
     a.variants = [v for v in a.variants.split(",") if v]
