@@ -164,9 +164,41 @@ def table(a) -> str:
                 cells.append("-" if r is None else f"{r['tau']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
             taus = [row[s]["tau"] for s in sets if s in row]
             lines.append(f"| {Path(d).name} | " + " | ".join(cells) + f" | {sum(taus) / max(len(taus), 1):.3f} |")
+    lines += paired_vs(recs, sets, "speculators")
     text = "\n".join(lines)
     (a.work / f"table{a.steps}.md").write_text(text + "\n")
     return text
+
+
+def paired_vs(recs: list[dict], sets: list[str], ref: str) -> list[str]:
+    """tau(head) - tau(ref) per set with a paired 95% bootstrap interval (same prompts, resampled jointly),
+    and the mean over sets of tau(head) / tau(ref)."""
+    sys.path.insert(0, str(ROOT))
+    from spectrain.stats import paired_diff_ci
+
+    by = {(Path(r["drafter"]).name, r["temperature"], r["prompt_set"]): r for r in recs}
+    heads = [h for h in dict.fromkeys(Path(r["drafter"]).name for r in recs) if h != ref]
+    if not any(k[0] == ref for k in by):
+        return []
+    out = []
+    for temp in sorted({r["temperature"] for r in recs}):
+        out += [f"\nT={temp:g}: tau(head) - tau({ref}) [paired 95% CI]; last column: mean over sets of "
+                f"tau(head) / tau({ref})", "", "| head | " + " | ".join(s.replace("spec_bench/", "sb/") for s in sets)
+                + " | mean ratio |", "|---" * (len(sets) + 2) + "|"]
+        for h in heads:
+            cells, ratios = [], []
+            for s in sets:
+                x, y = by.get((h, temp, s)), by.get((ref, temp, s))
+                if not x or not y or "per_prompt" not in x or "per_prompt" not in y:
+                    cells.append("-")
+                    continue
+                d, (lo, hi) = paired_diff_ci(x["per_prompt"]["tokens"], x["per_prompt"]["passes"],
+                                             y["per_prompt"]["tokens"], y["per_prompt"]["passes"])
+                cells.append(f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}]")
+                ratios.append(x["tau"] / y["tau"])
+            mean = f"{sum(ratios) / len(ratios):.3f}" if ratios else "-"
+            out.append(f"| {h} | " + " | ".join(cells) + f" | {mean} |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
