@@ -52,6 +52,7 @@ VARIANTS: dict[str, list[str]] = {
 NORMS = ["drafter.eagle3.norm_before_fc=true", "drafter.eagle3.norm_before_residual=true",
          "drafter.eagle3.norm_output=true"]  # speculators' default layer layout
 VARIANTS["best_norms"] = VARIANTS["best"] + NORMS
+VARIANTS["best_nbr"] = VARIANTS["best"] + NORMS[1:2]  # norm_before_residual only (what every vLLM computes)
 
 
 def sh(cmd: list[str], log: Path, threads: int) -> None:
