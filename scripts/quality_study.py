@@ -167,7 +167,8 @@ def table(a) -> str:
                 cells.append("-" if r is None else f"{r['tau']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
             taus = [row[s]["tau"] for s in sets if s in row]
             lines.append(f"| {Path(d).name} | " + " | ".join(cells) + f" | {sum(taus) / max(len(taus), 1):.3f} |")
-    lines += paired_vs(recs, sets, "speculators")
+    for ref in ("speculators", "speculators_default"):  # norm flags off (equal layer) / speculators' defaults
+        lines += paired_vs(recs, sets, ref)
     text = "\n".join(lines)
     (a.work / f"table{a.steps}.md").write_text(text + "\n")
     return text
