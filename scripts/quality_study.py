@@ -97,13 +97,16 @@ def speculators(a) -> None:
             "--seq-len", "256"], log, a.threads)
     meta = json.loads((rows / "rows_meta.json").read_text())
     ratio = (meta["train"]["rows"] + 0.5) / (meta["train"]["rows"] + meta["heldout"]["rows"])
-    if not (run / "ckpt" / "0" / "config.json").is_file():
-        sh([py, str(anc / "run_speculators.py"), "--target", "assets/reference-target", "--data", str(data),
-            "--run-dir", str(run), "--steps", str(a.steps), "--ttt-steps", "5", "--lr", "1e-3",
-            "--draft-vocab-size", "2048", "--total-seq-len", "1090", "--scheduler", "cosine", "--warmup-steps", "30",
-            "--hs-dtype", "float32", "--train-ratio", f"{ratio:.8f}", "--", "--ttt-step-loss-decay", "0.8",
-            "--weight-decay", "0.0", "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output"],
-           log, a.threads)
+    common = [py, str(anc / "run_speculators.py"), "--target", "assets/reference-target", "--data", str(data),
+              "--steps", str(a.steps), "--ttt-steps", "5", "--lr", "1e-3", "--draft-vocab-size", "2048",
+              "--total-seq-len", "1090", "--scheduler", "cosine", "--warmup-steps", "30", "--hs-dtype", "float32",
+              "--train-ratio", f"{ratio:.8f}", "--", "--ttt-step-loss-decay", "0.8", "--weight-decay", "0.0"]
+    if not (run / "ckpt" / "0" / "config.json").is_file():  # norm flags off: the layer spectrain had on main
+        sh([*common[:6], "--run-dir", str(run), *common[6:], "--no-norm-before-residual", "--no-norm-before-fc",
+            "--no-norm-output"], log, a.threads)
+    default = w / f"spec{a.steps}_norms"  # speculators' default layout (norm flags on), imported by spectrain
+    if a.spec_default and not (default / "ckpt" / "0" / "config.json").is_file():
+        sh([*common[:6], "--run-dir", str(default), *common[6:]], log, a.threads)
     if not (head / "drafter_config.json").is_file():
         sh([py, str(anc / "to_spectrain.py"), "--src", str(run / "ckpt" / "0"), "--out", str(head),
             "--target", "assets/reference-target", "--ttt-decay", "0.8"], log, a.threads)
@@ -117,6 +120,8 @@ def heads(a) -> dict[str, Path]:
     found.update({n: Path(p) for n, p in (e.split("=", 1) for e in a.extra)})
     if a.speculators and (a.work / f"spec{a.steps}" / "head").is_dir():
         found["speculators"] = a.work / f"spec{a.steps}" / "head"
+    if a.spec_default and (a.work / f"spec{a.steps}_norms" / "ckpt" / "0").is_dir():
+        found["speculators_default"] = a.work / f"spec{a.steps}_norms" / "ckpt" / "0"  # spectrain's import reads it
     out = {}
     for name, path in found.items():
         if not path.is_dir():
@@ -212,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     ap.add_argument("--stage", choices=["all", "train", "speculators", "eval", "table"], default="all")
     ap.add_argument("--speculators", action="store_true", help="include the speculators reference head")
+    ap.add_argument("--spec-default", action="store_true",
+                    help="also train (stage speculators) and decode speculators with its default norm layout")
     ap.add_argument("--extra", action="append", default=[], help="NAME=HEAD_DIR, another head for the eval")
     ap.add_argument("--spec-venv", default=os.environ.get("SPEC_VENV", "/work/spec_venv"))
     ap.add_argument("--anchor", default=os.environ.get("SPECULATORS_ANCHOR", str(ROOT.parent / "shared" / "anchors"
