@@ -5,6 +5,7 @@ bootstrap intervals.
     python scripts/quality_study.py --steps 200 --work /tmp/qs                       # every variant
     python scripts/quality_study.py --steps 800 --work /tmp/qs --variants main,best   # a subset
     python scripts/quality_study.py --steps 200 --work /tmp/qs --speculators          # + the reference head
+    python scripts/quality_study.py --steps 200 --work /tmp/qs --speculators --spec-default  # + its default layout
     python scripts/quality_study.py --steps 200 --work /tmp/qs --stage eval --extra spec=/tmp/qs/spec200/head
     python scripts/quality_study.py ... --device cuda                                 # on a GPU
 
