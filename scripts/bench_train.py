@@ -45,10 +45,11 @@ def _sync(device) -> None:
 
 
 class Clock:
-    """Accumulates wall time per named phase (device-synchronised)."""
+    """Accumulates wall time per named phase (device-synchronised); with cpu=True the process's CPU
+    time instead, which a shared host's load barely moves (use it with --threads 1 on CPU)."""
 
-    def __init__(self, device):
-        self.device, self.t = device, {}
+    def __init__(self, device, cpu: bool = False):
+        self.device, self.t, self.now = device, {}, time.process_time if cpu else time.perf_counter
 
     def __call__(self, name: str):
         clock = self
@@ -56,11 +57,11 @@ class Clock:
         class _Ctx:
             def __enter__(self):
                 _sync(clock.device)
-                self.t0 = time.perf_counter()
+                self.t0 = clock.now()
 
             def __exit__(self, *exc):
                 _sync(clock.device)
-                clock.t[name] = clock.t.get(name, 0.0) + time.perf_counter() - self.t0
+                clock.t[name] = clock.t.get(name, 0.0) + clock.now() - self.t0
 
         return _Ctx()
 
@@ -128,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = what training.num_threads=0 "
                     "picks: $SPECTRAIN_NUM_THREADS, $OMP_NUM_THREADS, else the CPU affinity)")
     ap.add_argument("--json", default="", help="also write the numbers to this file")
+    ap.add_argument("--cpu-time", action="store_true", help="time phases by the process's CPU time, not wall "
+                    "time (CPU only; with --threads 1 it is what the work costs, whatever else loads the host)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds over all variants, interleaved; each phase's "
                     "median round is reported (a shared machine's load drifts)")
     args = ap.parse_args(argv)
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     offline, k = _Getter(offline_get, target), int(recipe.drafter.eagle3.ttt_steps)
     rounds = []
     for _ in range(args.repeats):  # every variant once per round; the median round per phase is reported
-        clock = Clock(dev)
+        clock = Clock(dev, cpu=args.cpu_time)
         # 1. plain target forward (logits), the reference cost
         for j, idx in enumerate(batches):
             batch = {k: v.to(dev) for k, v in collate([src.rows[i] for i in idx], src.pad_id).items()}
@@ -175,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds.append(clock.t)
     med = {key: sorted(r[key] for r in rounds)[len(rounds) // 2] for key in rounds[0]}
     padded = sum(len(b) * max(int(src.lengths[i]) for i in b) for b in timed)
-    report(med, tokens, k, len(timed), recipe, target, args.json, 1 - tokens / padded, args.repeats)
+    report(med, tokens, k, len(timed), recipe, target, args.json, 1 - tokens / padded, args.repeats,
+           "CPU time" if args.cpu_time else "wall time")
     return 0
 
 
@@ -188,7 +192,7 @@ class _Getter:
 
 
 def report(t: dict, tokens: int, k: int, n: int, recipe, target, json_path: str, padding: float,
-           repeats: int) -> None:
+           repeats: int, clock: str) -> None:
     def step(name):
         return sum(v for key, v in t.items() if key.startswith(f"{name}/"))
 
@@ -198,7 +202,7 @@ def report(t: dict, tokens: int, k: int, n: int, recipe, target, json_path: str,
     out = {
         "target": target.name_or_path, "device": str(target.device), "threads": torch.get_num_threads(),
         "precision": T.resolve_precision(recipe.training.precision), "micro_batch_size": recipe.training.micro_batch_size,
-        "ttt_steps": k, "batches": n, "tokens": tokens, "repeats": repeats,
+        "ttt_steps": k, "batches": n, "tokens": tokens, "repeats": repeats, "clock": clock,
         "tokens_per_s": {"target_forward": tokens / tf, "train_online": tokens / on, "train_offline": tokens / off,
                          "train_online_packed": tokens / onp, "train_offline_packed": tokens / offp},
         "padding_share": padding,
@@ -214,7 +218,7 @@ def report(t: dict, tokens: int, k: int, n: int, recipe, target, json_path: str,
     }
     print(f"\n{out['target']} on {out['device']} ({out['threads']} threads, precision {out['precision']}), "
           f"{n} micro-batches of {out['micro_batch_size']} rows, {tokens} tokens, ttt_steps={k}, "
-          f"median of {repeats} interleaved round(s)")
+          f"median of {repeats} interleaved round(s), {clock}")
     print(f"{'':28}{'tokens/s':>10}{'s/batch':>10}{'x target fwd':>14}")
     print(f"{'target forward (logits)':28}{tokens / tf:10.0f}{tf / n:10.3f}{1.0:14.2f}")
     print(f"{'EAGLE-3 train, online':28}{tokens / on:10.0f}{on / n:10.3f}{on / tf:14.2f}")

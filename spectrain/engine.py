@@ -78,6 +78,10 @@ def make_accelerator(recipe):
                          f"{acc.num_processes} ({acc.distributed_type}); on CPU set ACCELERATE_USE_CPU=1, or "
                          "launch with a matching recipes/accelerate config")
     _fill_deepspeed_config(acc, recipe.training)
+    if not acc.is_main_process:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one "Loading weights" bar per run, not one per rank
     return acc
 
 

@@ -254,6 +254,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--device-map", default=None, choices=["auto", "balanced", "balanced_low_0", "sequential"],
                    help="spread a target too large for one GPU over all visible GPUs (HF device_map)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    from spectrain.sweep import add_sweep_args
+
+    add_sweep_args(p)  # --batch-size (repeatable), --gpu, --gpu-bandwidth, --gpu-flops
     return p
 
 
@@ -293,6 +296,9 @@ def validate_args(args) -> None:
         if not ok:
             raise ValueError(msg)
     args.tree = [parse_tree(t) for t in args.tree]
+    from spectrain.sweep import validate_sweep_args
+
+    validate_sweep_args(args)
 
 
 # ---- running ------------------------------------------------------------------------------------------------
@@ -404,9 +410,15 @@ def main(args) -> int:
                 records.append(report.make_record(d, cfg, ps, cell, baselines[(cfg.temperature, ps.name)],
                                                   args.cost_ratio))
     meta = report.run_metadata(args, target_name, target, sets, baselines)
+    from spectrain.sweep import batch_sweep
+
+    sweep = batch_sweep(target, drafters, plan, encoded, args) if getattr(args, "batch_size", None) else None
     out_dir = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-    paths = report.write_all(out_dir, meta, records, report_to=args.report_to, wandb_project=args.wandb_project)
+    paths = report.write_all(out_dir, meta, records, report_to=args.report_to, wandb_project=args.wandb_project,
+                             batch_sweep=sweep)
     print(report.summary_table(records, meta))
+    if sweep is not None:
+        print("\n".join(report.sweep_markdown(sweep)))
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 

@@ -11,7 +11,8 @@ like axolotl / TRL / torchtune do; the child processes see ``SPECTRAIN_LAUNCHED=
   only accelerate path that really starts N gloo ranks on CPU (``--cpu --num_processes N`` and
   MULTI_CPU configs start one process; see recipes/accelerate/cpu_ddp.yaml).
 - Already under a launcher (``accelerate launch -m spectrain train ...``, torchrun, scripts/train.py)
-  the launch settings are ignored and this process trains.
+  the launch settings are ignored and this process trains (on a machine without CUDA with
+  ``ACCELERATE_USE_CPU=1`` set for it, so those forms need no environment variable either).
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ def train_command(args: argparse.Namespace) -> int:
     from spectrain.train import main as train_main
 
     if inside_launcher():
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _cuda_devices():
+            # torchrun / accelerate launch on a CPU machine: without this every rank believes it is alone
+            os.environ.setdefault("ACCELERATE_USE_CPU", "1")
         return train_main(args.recipe, args.overrides)
     recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe fails here, before any process starts
     wants = (args.nproc or recipe.launch.nproc or 1) > 1 or args.accelerate_config or recipe.launch.accelerate_config

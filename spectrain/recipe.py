@@ -150,7 +150,7 @@ class TrainingConfig:
 class TrackingConfig:
     report_to: list[Tracker] = field(default_factory=lambda: ["jsonl"])
     project: str = "spectrain"
-    run_name: str = ""
+    run_name: str = ""  # "" = the output directory's name (also the wandb group; see spectrain/tracking.py)
 
 
 @dataclass

@@ -307,16 +307,104 @@ def plot_tau(out_dir: Path, records: list[dict], target: str) -> Path:
     return p
 
 
+# ---- batch-size sweep (spectrain/sweep.py) -----------------------------------------------------------------
+
+
+def sweep_markdown(sw: dict) -> list[str]:
+    """The throughput-vs-batch-size table, the crossovers, and what the prediction assumed."""
+    dep, cpu = sw.get("deployment", {}), sw.get("cpu_peaks", {})
+    md = ["## Batch size: throughput and the crossover", "",
+          f"{sw['rows']} rows ({sw['distinct_prompts']} distinct prompts), {sw['max_new_tokens']} new tokens each, the "
+          "same rows at every batch size; plain = the target alone in the same batched loop. tok/s = tokens over "
+          "the whole batch per second; latency = mean per-row seconds from the start of its batch to its last "
+          "token. **predicted** = roofline model (README: Batched decoding and the crossover), on this machine "
+          f"({cpu.get('name', '-')}: {_f(cpu.get('bandwidth_GBps'), 1)} GB/s, {_f(cpu.get('TFLOPs'), 3)} TFLOP/s) "
+          f"and for a deployment of this target in bf16 on {dep.get('name', '-')} "
+          f"({_f(dep.get('bandwidth_GBps'), 0)} GB/s, {_f(dep.get('TFLOPs'), 0)} TFLOP/s).", "",
+          "| drafter | config | B | plain tok/s | spec tok/s | **speedup** | latency plain / spec (s) | tau "
+          "| predicted, this CPU | predicted, deployment | greedy == plain |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in sw["cells"]:
+        md.append(f"| {c['drafter']} | {c['config']} | {c['batch_size']} | {_f(c['plain_tokens_per_s'], 1)} "
+                  f"| {_f(c['tokens_per_s'], 1)} | **{_f(c['speedup'])}x** | {_f(c['plain_latency_s'])} / "
+                  f"{_f(c['latency_s'])} | {_f(c['tau'])} | {_f(c.get('predicted_cpu'))}x "
+                  f"| {_f(c.get('predicted_deployment'))}x | {c.get('greedy_identical_to_plain', '-')} |")
+    md += ["", "| drafter | config | crossover, measured | predicted, this CPU | predicted, deployment |",
+           "|---|---|---|---|---|"]
+
+    def where(b):
+        return "none in range" if b is None else f"B = {b}"
+
+    for x in sw.get("crossover", []):
+        md.append(f"| {x['drafter']} | {x['config']} | {where(x['measured'])} | {where(x['predicted_cpu'])} "
+                  f"| {where(x.get('predicted_deployment'))} |")
+    md += ["", "Crossover = the largest batch size whose speculative throughput still beats plain decoding "
+           f"(measured over B = {', '.join(map(str, sw['batch_sizes']))}; the deployment prediction over B = 1..512)."]
+    return md
+
+
+def plot_batch_sweep(out_dir: Path, sw: dict, target: str) -> Path:
+    """Throughput and speedup vs batch size; one colour per drafter setting, chains solid, trees dashed;
+    predictions dotted (this CPU) and dash-dotted (deployment, right panel)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4), dpi=120)
+    colors = plt.get_cmap("tab10")
+    keys = list(dict.fromkeys((c["drafter"], c["config"]) for c in sw["cells"]))
+    plain_done = set()
+    for i, key in enumerate(keys):
+        cs = [c for c in sw["cells"] if (c["drafter"], c["config"]) == key]
+        bs, ls = [c["batch_size"] for c in cs], "--" if cs[0]["tree"] else "-"
+        name = f"{Path(key[0]).name or key[0]} · {key[1]}"
+        axes[0].plot(bs, [c["tokens_per_s"] for c in cs], ls=ls, marker="o", color=colors(i % 10), label=name)
+        if cs[0]["temperature"] not in plain_done:
+            plain_done.add(cs[0]["temperature"])
+            axes[0].plot(bs, [c["plain_tokens_per_s"] for c in cs], color="black", marker="s", lw=2,
+                         ls=":" if cs[0]["temperature"] else "-", label=f"plain T={cs[0]['temperature']:g}")
+        axes[1].plot(bs, [c["speedup"] for c in cs], ls=ls, marker="o", color=colors(i % 10), label=f"{name} measured")
+        axes[1].plot(bs, [c.get("predicted_cpu") for c in cs], ls=":", color=colors(i % 10), label="predicted (CPU)")
+        curve = next((x.get("deployment_curve") for x in sw.get("crossover", []) if (x["drafter"], x["config"]) == key),
+                     None)
+        if curve:
+            axes[2].plot(curve["batch_sizes"], curve["predicted_speedup"], ls="-." if cs[0]["tree"] else "-",
+                         color=colors(i % 10), marker=".", label=name)
+    titles = ("throughput (tokens/s over the batch)", "speedup vs plain: measured (markers), predicted (dotted)",
+              f"PREDICTED speedup: {sw.get('deployment', {}).get('name', '-')}, bf16")
+    for ax, title in zip(axes, titles):
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="batch size B", title=title)
+        ax.grid(alpha=0.3)
+    for ax in axes[1:]:
+        ax.axhline(1.0, color="gray", lw=1)
+    axes[0].legend(fontsize=6)
+    axes[2].legend(fontsize=6, title="chain solid, tree dash-dot", title_fontsize=6)
+    fig.suptitle(f"batched speculative decoding · target {target}", fontsize=9)
+    fig.tight_layout()
+    p = out_dir / "batch_sweep.png"
+    fig.savefig(p, bbox_inches="tight")
+    plt.close(fig)
+    return p
+
+
 # ---- all ---------------------------------------------------------------------------------------------------
 
 
 def write_all(out_dir: Path, meta: dict, records: list[dict], report_to: str | list[str] | None = "none",
-              wandb_project: str | None = None) -> list[Path]:
+              wandb_project: str | None = None, batch_sweep: dict | None = None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_acceptance(out_dir, records, meta["target"]) + ([plot_tau(out_dir, records, meta["target"])]
                                                                   if records else [])
-    (out_dir / "report.json").write_text(json.dumps({"meta": meta, "records": records}, indent=2, allow_nan=False) + "\n")
+    if batch_sweep is not None:
+        plots.append(plot_batch_sweep(out_dir, batch_sweep, meta["target"]))
+    body = {"meta": meta, "records": records, **({"batch_sweep": batch_sweep} if batch_sweep is not None else {})}
+    (out_dir / "report.json").write_text(json.dumps(body, indent=2, allow_nan=False) + "\n")
     write_markdown(out_dir / "report.md", meta, records, plots)
+    if batch_sweep is not None:  # its own section, after the per-prompt-set results
+        with open(out_dir / "report.md", "a") as f:
+            f.write("\n" + "\n".join(sweep_markdown(batch_sweep)) + "\n")
     trackers = [t for t in ([report_to] if isinstance(report_to, str) else report_to or []) if t != "none"]
     if trackers:  # scalars per (drafter, decode, prompt set), curves, table: spectrain/eval_tracking.py
         from spectrain.eval_tracking import log_trackers

@@ -30,7 +30,7 @@ _RENAME = {"sim_tau": "train/sim_tau_proxy"}
 
 def metric_key(key: str) -> str | None:
     """The tracker key of a metrics.jsonl field, or None for the step and bookkeeping fields."""
-    if key == "step" or key in BOOKKEEPING:
+    if key == "step" or key in BOOKKEEPING or key.endswith("/loss_tokens"):  # eval/loss_tokens: a fixed count
         return None
     if "/" in key:  # already namespaced (eval/...)
         return key
@@ -47,6 +47,8 @@ def split_record(rec: dict) -> tuple[dict[str, float], dict]:
                 metrics[name] = v
         elif k in BOOKKEEPING and k not in ("tokens", "loss_tokens", "split") and v is not None:
             book[f"run/{k}"] = v
+        elif k == "eval/loss_tokens":
+            book["run/heldout_loss_tokens"] = v
     return metrics, book
 
 

@@ -160,3 +160,23 @@ def test_betas_reach_adamw(target):
     r.training.adam_betas = [0.8, 0.99]
     opt, _ = build_optimizer(r, make_head(target), target)
     assert all(g["betas"] == (0.8, 0.99) for g in opt.param_groups)
+
+
+def test_training_loop_with_packing_matches_padded_and_frozen_head_stays(tmp_path):
+    """training.packing=true in the loop: the same loss sequence as padded rows; a frozen lm_head from the
+    target is bit-identical after training."""
+    from test_train import losses, make_rows, tiny_recipe
+
+    from spectrain import train as T
+
+    target = make_tiny_target("llama")
+    rows, held = make_rows(12), make_rows(2, seed=1)
+    for name, packing in (("pad", False), ("pack", True)):
+        r = tiny_recipe(tmp_path / name, max_steps=2, packing=packing)
+        r.drafter.eagle3.lm_head_init, r.drafter.eagle3.freeze_lm_head = "target", True
+        T.train(r, target=target, train_rows=rows, heldout_rows=held)
+    head = Eagle3Drafter.from_pretrained(tmp_path / "pack" / "last", target)
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight[head.draft_ids])
+    a, b = losses(tmp_path / "pad"), losses(tmp_path / "pack")
+    assert [s for s, _ in a] == [s for s, _ in b] == [1, 2]
+    assert all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for (_, x), (_, y) in zip(a, b)), (a, b)

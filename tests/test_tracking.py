@@ -34,9 +34,10 @@ def test_metric_keys_and_bookkeeping():
         == ["train/loss", "train/acc_2", "train/sim_tau_proxy", "train/lr", "train/tokens_per_s", "eval/acc_0",
             None, None]
     metrics, book = split_record({"step": 3, "split": "heldout", "heldout_rows": 13, "eval/sim_tau_proxy": 1.5,
-                                  "eval/acc_0": 0.25, "wall_s": 2.0, "skipped": 1, "interrupted_by": None})
+                                  "eval/acc_0": 0.25, "wall_s": 2.0, "skipped": 1, "interrupted_by": None,
+                                  "eval/loss_tokens": 99.0})
     assert metrics == {"eval/sim_tau_proxy": 1.5, "eval/acc_0": 0.25, "train/skipped": 1}
-    assert book == {"run/heldout_rows": 13, "run/wall_s": 2.0}
+    assert book == {"run/heldout_rows": 13, "run/wall_s": 2.0, "run/heldout_loss_tokens": 99.0}
 
 
 def _records():
@@ -93,9 +94,15 @@ def test_training_wandb_namespaces_config_and_resume(tmp_path, fake, offline_wan
     assert b["config"]["run/world_size"] == 1 and b["config"]["training.max_steps"] == 6
     assert "run/epoch" in b["config"]
     # a fresh run (no resume) into another dir gets its own wandb run and name
-    _train(tmp_path / "other", ["wandb"], max_steps=3)
+    _train(tmp_path / "other", ["wandb", "tensorboard"], max_steps=3)
     other = json.loads((tmp_path / "other" / "tracking.json").read_text())
     assert other["name"] == "other" and other["wandb_id"] != link["wandb_id"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(other["tensorboard_dir"])
+    tb.Reload()
+    assert {"train/loss", "train/lr", "eval/sim_tau_proxy"} <= set(tb.Tags()["scalars"])
+    assert [e.step for e in tb.Scalars("train/loss")] == [1, 2, 3] and "epoch" not in tb.Tags()["scalars"]
 
 
 def test_eval_wandb_scalars_join_the_training_group(workdir, tmp_path, offline_wandb, monkeypatch):  # noqa: F811

@@ -57,23 +57,51 @@ class Eagle3Proposer(Drafter):
         """One step for m rows attending to cache + temp + themselves (mask [m, n + n_temp + m]); the first
         ``committed`` columns are committed positions 0.., which sliding layers window around ``anchors`` [m].
         Returns (layer output [1,m,H], logits [m,D] fp32, the rows' new per-layer K/V)."""
+        h, logits, new = self._run_rows(self.cache, emb[None], hidden, positions[None], mask, temp, anchors, committed)
+        return h, logits[0], new
+
+    def _run_rows(self, cache, emb, hidden, positions, mask, temp, anchors=None, committed: int = 0):
+        """Batched step: emb/hidden [B,m,H], positions [B,m], mask broadcastable to [B, heads, m, cache +
+        temp + m]; cache/temp per layer (K, V) [B, heads, n, dim]. Returns ([B,m,H], [B,m,D] fp32, new K/V).
+        ``anchors``/``committed``: see _run (one row only; batched decoding refuses short windows)."""
         new = []
 
         def make(li):
             lmask, w = mask, self.model.windows[li]
-            if w is not None:
+            if w is not None and anchors is not None:
                 lmask = mask.clone()
                 lmask[:, :committed] &= window_keep(anchors, committed, w)
 
             def attend(q, k, v):
                 new.append((k, v))
-                (ck, cv), (tk, tv) = self.cache[li], temp[li]
+                (ck, cv), (tk, tv) = cache[li], temp[li]
                 return attend_masked(q, torch.cat([ck, tk, k], 2), torch.cat([cv, tv, v], 2), lmask)
             return attend
 
         m = self.model
-        h, logits = m.step(m._emb(emb)[None], hidden, positions[None], [make(i) for i in range(len(m.layers))])
-        return h, logits[0].float(), new
+        h, logits = m.step(m._emb(emb), hidden, positions, [make(i) for i in range(len(m.layers))])
+        return h, logits.float(), new
+
+    # batched decoding (spectrain/batched.py): all rows' head caches in one tensor, see eagle3_batch.py
+    def begin_batch(self, prompts: list[torch.Tensor]) -> None:
+        from spectrain.drafters.eagle3_batch import BatchedEagle3
+
+        limit = getattr(self.target.config, "max_position_embeddings", None) or 1 << 62
+        if any(w is not None and w < limit for w in self.model.windows):
+            raise ValueError(f"batched decoding (batch_size > 1) does not support a sliding-window EAGLE-3 head whose "
+                             f"window ({min(w for w in self.model.windows if w)}) is shorter than the target's "
+                             f"max_position_embeddings ({limit}); decode it with batch_size=1")
+        self._batch = BatchedEagle3(self, len(prompts))
+
+    @torch.no_grad()
+    def propose_batch(self, ctxs: list[DraftContext | None]) -> list[Proposal | None]:
+        return self._batch.propose(ctxs)
+
+    def commit_batch(self, accepted: list[list[int] | None]) -> None:
+        pass  # drafted K/V were temporary; the accepted tokens' features arrive with the next call
+
+    def keep_rows(self, idx: list[int]) -> None:
+        self._batch.keep_rows(idx)
 
     @staticmethod
     def _append(kv, new):
