@@ -60,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
             from spectrain.export import main as export_main
 
             return export_main(args)
-    except (ValueError, FileNotFoundError, OSError, KeyError) as e:
-        # Bad input is reported as one clear line, not a traceback.
-        print(f"spectrain {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except BaseException as e:  # one line + exit 2 for bad input; traceback only with SPECTRAIN_DEBUG=1
+        from spectrain.errors import report
+
+        return report(args.command, e)
     return 1
 
 
