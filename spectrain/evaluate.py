@@ -242,7 +242,10 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--cost-ratio", type=float, default=None,
                    help="c = one draft step's cost relative to one target pass, for the predicted speedup "
                         "tau/(1+k*c) (default: the c measured in this run, labelled as measured)")
-    p.add_argument("--out", default=None, help="output dir (default runs/eval-<UTC timestamp>)")
+    p.add_argument("--out", default=None, help="output dir (default runs/eval-<UTC timestamp>); must not exist "
+                                               "unless --force")
+    p.add_argument("--force", action="store_true", help="replace an existing --out whole once the new report is "
+                                                        "written (never mixed with its old files)")
     p.add_argument("--report-to", choices=["none", "wandb"], default="none",
                    help="also log curves and tables to wandb (WANDB_MODE=offline works without network)")
     p.add_argument("--wandb-project", default="spectrain", help="wandb project name")
@@ -289,6 +292,16 @@ def validate_args(args) -> None:
         if not ok:
             raise ValueError(msg)
     args.tree = [parse_tree(t) for t in args.tree]
+    check_out(args)
+
+
+def check_out(args) -> None:
+    """--out is checked before any model is loaded (not after all the decoding): see spectrain/outputs.py."""
+    from spectrain.outputs import refuse_inside_run, resolve_out
+
+    args.out = resolve_out(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}",
+                           getattr(args, "force", False))
+    refuse_inside_run(args.out)
 
 
 # ---- running ------------------------------------------------------------------------------------------------
@@ -400,8 +413,11 @@ def main(args) -> int:
                 records.append(report.make_record(d, cfg, ps, cell, baselines[(cfg.temperature, ps.name)],
                                                   args.cost_ratio))
     meta = report.run_metadata(args, target_name, target, sets, baselines)
-    out_dir = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-    paths = report.write_all(out_dir, meta, records, report_to=args.report_to, wandb_project=args.wandb_project)
+    from spectrain.outputs import staged_dir
+
+    with staged_dir(args.out) as tmp:  # lands whole or not at all; --force replaces, never mixes
+        paths = report.write_all(tmp, meta, records, report_to=args.report_to, wandb_project=args.wandb_project)
+    paths = [args.out / p.relative_to(tmp) for p in paths]
     print(report.summary_table(records, meta))
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0

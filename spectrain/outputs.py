@@ -7,6 +7,7 @@ Used by checkpoints (``best/``, ``init/``), ``spectrain eval --out`` and ``spect
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -87,14 +88,16 @@ def resolve_out(out, force: bool, option: str = "--out") -> Path:
 
 
 def refuse_inside_run(out: Path, option: str = "--out") -> None:
-    """A run directory's checkpoints are pruned and best/ is replaced by training: nothing may live inside."""
-    for d in [out, *out.parents]:
-        hit = next((m for m in RUN_MARKERS if (d / m).is_file()), None)
-        if hit and d != out:
-            raise ValueError(f"{option} {out} is inside {d}, a checkpoint or run directory ({hit}): training "
-                             "replaces or prunes it, which would delete the output; write it elsewhere")
-        if hit and d == out:
-            raise ValueError(f"{option} {out} is a checkpoint or run directory ({hit}): write the output elsewhere")
+    """Training prunes step-N/ and replaces best/ and init/: an output inside a checkpoint, or in the place
+    of one, would be deleted by it."""
+    for d in out.parents:
+        hit = next((m for m in RUN_MARKERS if m != "run_info.json" and (d / m).is_file()), None)
+        if hit:
+            raise ValueError(f"{option} {out} is inside {d}, a checkpoint directory ({hit}): training replaces "
+                             "or prunes it, which would delete the output; write it elsewhere")
+    own = next((m for m in ("trainer_state.json", "best.json") if (out / m).is_file()), None)
+    if own or ((out.parent / "run_info.json").is_file() and re.match(r"^(best|last|init|step-\d+)$", out.name)):
+        raise ValueError(f"{option} {out} is a checkpoint of the run {out.parent}: write the output elsewhere")
 
 
 @contextmanager
@@ -109,3 +112,17 @@ def staged_dir(out: Path) -> Iterator[Path]:
 
         make_readable(tmp)
         swap_in(tmp, out)
+
+
+def guard_export(src: Path, out, force: bool) -> Path:
+    """Before an export: the source's files match its SHA256SUMS, and ``out`` is a real place (a symlink is
+    followed; never inside a checkpoint or run directory, which training prunes or replaces)."""
+    from spectrain.integrity import verify
+
+    verify(src, "checkpoint", fix="export another checkpoint of the run (e.g. last/ or a step-N/), or retrain")
+    out = Path(out).expanduser()
+    target = out.resolve() if out.is_symlink() else out.absolute()
+    refuse_inside_run(target)
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"--out {out} is an existing file, not a directory: choose a directory path")
+    return target
