@@ -25,6 +25,7 @@ import torch
 from spectrain.acceptance import accept_chain, accept_tree
 from spectrain.drafters.base import DraftContext, Drafter, Proposal, TargetFeatures
 from spectrain.sampling import Sampler
+from spectrain.validate import check_generate_args
 
 
 @dataclass
@@ -130,6 +131,7 @@ def speculative_generate(
     support trees. ``eos_token_id``: None = the target's generation_config / config / tokenizer eos;
     ``[]`` = never stop early. ``drafter=None`` is plain decoding (see ``plain_generate``).
     """
+    check_generate_args(target, drafter, input_ids, k, tree, temperature, top_p, top_k)
     if drafter is None:
         k = 0
     elif not isinstance(k, int) or k <= 0:
