@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def _recipe_cmd(sub, name: str, help: str):

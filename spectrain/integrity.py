@@ -48,7 +48,7 @@ def make_readable(root: Path) -> None:
     running as another user cannot read)."""
     mask = os.umask(0)
     os.umask(mask)
-    for dirpath, dirs, names in os.walk(root):
+    for dirpath, _dirs, names in os.walk(root):
         os.chmod(dirpath, 0o755 & ~mask)
         for n in names:
             p = Path(dirpath) / n
