@@ -288,12 +288,23 @@ def find_resume_dir(output_dir: Path, resume_from: str) -> Path | None:
             f"give a step-N/ or last/ directory of a run, or resume_from=auto to pick the newest in output_dir")
     path = path.resolve()
     later = [p.name for n, p in list_checkpoints(output_dir) if path.parent == output_dir.resolve()
-             and n > int(json.loads((path / STATE_FILE).read_text()).get("step", 0))]
+             and n > int(read_state(path).get("step", 0))]
     if later:  # resuming here would overwrite them with a branch of the run
         raise ValueError(f"training.resume_from={resume_from!r}: {output_dir} holds later checkpoints "
                          f"({', '.join(later)}) that this resume would overwrite; resume from the newest "
                          "(training.resume_from=auto) or set a new output_dir")
     return path
+
+
+def read_state(ckpt: Path) -> dict:
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+    except ValueError as e:
+        raise ValueError(f"{ckpt / STATE_FILE} is not valid JSON ({e}): the checkpoint is damaged; resume from "
+                         "another checkpoint of the run or start a fresh run") from None
+    if not isinstance(state, dict) or not {"step", "epoch", "step_in_epoch"} <= set(state):
+        raise ValueError(f"{ckpt / STATE_FILE} lacks step/epoch/step_in_epoch: not a spectrain trainer state")
+    return state
 
 
 def _check_recipe(ckpt: Path, state: dict, recipe_dict: dict) -> None:
@@ -325,6 +336,14 @@ def _check_files(ckpt: Path) -> None:
         raise integrity.IntegrityError(f"checkpoint {ckpt} holds {extra[0]}, a pickle spectrain did not write "
                                        "(it may run code when loaded): refusing to resume from it; remove the "
                                        "file only if you know where it came from, or use another checkpoint")
+    from accelerate.utils.other import load as plain_load  # weights_only=True + numpy arrays allowed
+
+    for rng in sorted((ckpt / ENGINE_DIR).glob(f"{_ENGINE_PICKLES[0]}*.pkl")):
+        try:  # accelerate would swallow a failure here and resume without the RNG state
+            plain_load(rng)
+        except Exception as e:
+            raise integrity.IntegrityError(f"checkpoint file {rng} is not plain RNG data ({type(e).__name__}): "
+                                           "refusing to unpickle it; use another checkpoint") from None
 
 
 def _load_scheduler(ckpt: Path, scheduler) -> None:
@@ -349,9 +368,9 @@ def _load_scheduler(ckpt: Path, scheduler) -> None:
 def load_checkpoint(accelerator, ckpt: Path, recipe_dict: dict, scheduler=None) -> dict:
     """Verify, then restore model/optimizer/RNG through accelerate and the schedule from JSON; return the
     trainer state. Every torch.load accelerate makes meanwhile is forced to ``weights_only=True``."""
-    state = json.loads((ckpt / STATE_FILE).read_text())
-    _check_recipe(ckpt, state, recipe_dict)
     _check_files(ckpt)
+    state = read_state(ckpt)
+    _check_recipe(ckpt, state, recipe_dict)
     if state.get("world_size") != accelerator.num_processes and accelerator.is_main_process:
         print(f"resume: checkpoint was written with {state.get('world_size')} processes, now "
               f"{accelerator.num_processes}; the data order and global batch are unchanged (gradient "

@@ -144,6 +144,9 @@ def load_prompt_set(name: str, prompts_dir: Path = PROMPTS_DIR, recipe=None,
         ps = PROMPT_SETS[name](Path(prompts_dir), recipe=recipe)
     elif Path(name).is_file():
         ps = load_jsonl_set(Path(name).name.split(".")[0], Path(name))
+    elif ("/" in name and not name.startswith("spec_bench/")) or name.endswith((".jsonl", ".gz", ".json")):
+        raise FileNotFoundError(f"prompt file {name} not found (a --prompts value with a path is read as a JSONL "
+                                f"file); check the path, or use a shipped set: {', '.join(PROMPT_SETS)}")
     else:
         raise ValueError(f"unknown prompt set {name!r}: use one of {', '.join(PROMPT_SETS)} or a JSONL file path")
     trained_on = {Path(f).name for f in recipe.data.train_files} if recipe is not None else set()
