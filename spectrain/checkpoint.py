@@ -213,15 +213,17 @@ def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: i
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / ENGINE_DIR))
-    accelerator.wait_for_everyone()  # other ranks may still be writing RNG state / ZeRO shards into tmp
-    if accelerator.is_main_process:
-        with writing(tmp):  # a failed write (e.g. disk full) leaves no temp dir behind
+    # the main process removes the temp dir when a write fails (e.g. disk full): nothing half-written stays
+    with writing(tmp, name=final, remove=accelerator.is_main_process):
+        accelerator.save_state(str(tmp / ENGINE_DIR))
+        accelerator.wait_for_everyone()  # other ranks may still be writing RNG state / ZeRO shards into tmp
+        if accelerator.is_main_process:
             save_drafter_dir(drafter, tmp, state_dict)
             if scheduler is not None:
                 (tmp / SCHEDULER_FILE).write_text(json.dumps(scheduler.state_dict()))
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
             integrity.seal(tmp)
+    if accelerator.is_main_process:
         if final.exists():  # a re-run of the same step (e.g. resumed then preempted again)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -257,7 +259,7 @@ def save_drafter_atomic(drafter, final: Path, state_dict: dict | None = None, ex
     tmp = final.with_name(f".tmp-{final.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    with writing(tmp):
+    with writing(tmp, name=final):
         save_drafter_dir(drafter, tmp, state_dict)
         for name, obj in (extra or {}).items():
             (tmp / name).write_text(json.dumps(obj, indent=2))
@@ -330,7 +332,7 @@ def _check_files(ckpt: Path) -> None:
     """Integrity (SHA256SUMS) and no pickle spectrain did not write, before anything is loaded."""
     integrity.verify(ckpt, "checkpoint", fix="resume from another checkpoint of the run (training.resume_from="
                      "<run>/step-N) or start a fresh run; do not train on from damaged files")
-    legacy = () if (ckpt / SCHEDULER_FILE).is_file() else ("custom_checkpoint_0.pkl",)  # see _load_scheduler
+    legacy = () if (ckpt / SCHEDULER_FILE).is_file() else ("custom_checkpoint_0.pkl",)  # see load_checkpoint
     extra = integrity.untrusted_pickles(ckpt / ENGINE_DIR, _ENGINE_PICKLES + legacy)
     if extra:
         raise integrity.IntegrityError(f"checkpoint {ckpt} holds {extra[0]}, a pickle spectrain did not write "
@@ -346,25 +348,6 @@ def _check_files(ckpt: Path) -> None:
                                            "refusing to unpickle it; use another checkpoint") from None
 
 
-def _load_scheduler(ckpt: Path, scheduler) -> None:
-    if scheduler is None:
-        return
-    f = ckpt / SCHEDULER_FILE
-    if f.is_file():
-        scheduler.load_state_dict(json.loads(f.read_text()))
-        return
-    # Written by an older spectrain: accelerate's custom_checkpoint_0.pkl, read as plain data only.
-    import torch
-
-    old = ckpt / ENGINE_DIR / "custom_checkpoint_0.pkl"
-    try:
-        scheduler.load_state_dict(torch.load(old, weights_only=True))
-    except Exception as e:  # UnpicklingError: it holds objects, not data; FileNotFoundError
-        raise integrity.IntegrityError(f"cannot restore the LR schedule of {ckpt}: {old} is not a plain-data "
-                                       f"scheduler state ({type(e).__name__}) and will not be unpickled; use "
-                                       "another checkpoint or start a fresh run") from None
-
-
 def load_checkpoint(accelerator, ckpt: Path, recipe_dict: dict, scheduler=None) -> dict:
     """Verify, then restore model/optimizer/RNG through accelerate and the schedule from JSON; return the
     trainer state. Every torch.load accelerate makes meanwhile is forced to ``weights_only=True``."""
@@ -375,19 +358,29 @@ def load_checkpoint(accelerator, ckpt: Path, recipe_dict: dict, scheduler=None) 
         print(f"resume: checkpoint was written with {state.get('world_size')} processes, now "
               f"{accelerator.num_processes}; the data order and global batch are unchanged (gradient "
               "accumulation re-derived), but per-rank RNG streams are not carried over exactly.")
+    # An older spectrain registered the schedule with accelerate (custom_checkpoint_0.pkl): let accelerate
+    # read it this once, as plain data like everything else.
+    legacy = scheduler is not None and not (ckpt / SCHEDULER_FILE).is_file()
+    if legacy:
+        accelerator.register_for_checkpointing(scheduler)
     before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
         accelerator.load_state(str(ckpt / ENGINE_DIR))
     except Exception as e:
-        raise ValueError(f"cannot restore checkpoint {ckpt / ENGINE_DIR}: {type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:300]}; resume from another checkpoint or start a fresh run") from e
+        why = "a file in it holds pickled objects, not plain data, and is not unpickled (it could run code)" \
+            if "weights only" in str(e).lower() else f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        raise ValueError(f"cannot restore checkpoint {ckpt / ENGINE_DIR}: {why}; resume from another checkpoint "
+                         "or start a fresh run") from e
     finally:
+        if legacy:
+            accelerator._custom_objects.remove(scheduler)  # saves write scheduler.json from now on
         if before is None:
             os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
         else:
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
-    _load_scheduler(ckpt, scheduler)
+    if not legacy and scheduler is not None:
+        scheduler.load_state_dict(json.loads((ckpt / SCHEDULER_FILE).read_text()))
     return state
 
 

@@ -59,17 +59,19 @@ def _remove(path: Path) -> None:
 
 
 @contextmanager
-def writing(path) -> Iterator[Path]:
+def writing(path, name=None, remove: bool = True) -> Iterator[Path]:
     """Mark ``path`` as this command's partial output: if the body fails, ``path`` is removed (nothing
-    half-written stays behind under that name) and a disk-full error is tagged with it for the message."""
+    half-written stays behind; ``remove=False`` only names it) and the error is tagged with ``name`` (the
+    output the user asked for; default ``path``) for the disk-full message."""
     path = Path(path)
     try:
         yield path
     except BaseException as e:
-        _remove(path)
+        if remove:
+            _remove(path)
         if not hasattr(e, "spectrain_path"):
             try:
-                e.spectrain_path = str(path)
+                e.spectrain_path = str(name or path)
             except AttributeError:  # some C-level exception types refuse new attributes
                 pass
         raise
@@ -86,7 +88,7 @@ def disk_full_message(e: BaseException) -> str:
 def _expected(e: BaseException) -> bool:
     import pickle
 
-    names = {type(x).__name__ for x in type(e).__mro__}
+    names = {c.__name__ for c in type(e).__mro__}
     return isinstance(e, (ValueError, OSError, KeyError, pickle.UnpicklingError, EOFError)) or \
         bool(names & {"SafetensorError", "HeaderTooLarge", "HFValidationError"})
 

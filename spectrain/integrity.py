@@ -100,11 +100,26 @@ def problems(root) -> list[str]:
     return out
 
 
+def unreadable(root) -> list[str]:
+    """safetensors files under ``root`` whose header does not parse or does not fit the file (truncated):
+    checked with or without a manifest, so the error names the file instead of a library's raw message."""
+    from safetensors import safe_open
+
+    out = []
+    for p in sorted(Path(root).rglob("*.safetensors")):
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                list(f.keys())
+        except Exception as e:  # SafetensorError (header), OSError
+            out.append(f"{p} is truncated or not a safetensors file ({' '.join(str(e).split())[:120]})")
+    return out
+
+
 def verify(root, what: str = "directory", fix: str = "") -> bool:
     """Refuse ``root`` when a file differs from its manifest (IntegrityError naming the file and ``fix``);
     True when verified, False (with a warning) when there is no manifest to verify against."""
     root = Path(root)
-    found = problems(root)
+    found = problems(root) or unreadable(root)
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise IntegrityError(f"{what} {root} failed its integrity check: {found[0]}{more}; "

@@ -106,7 +106,7 @@ def staged_dir(out: Path) -> Iterator[Path]:
     is exchanged and removed), files readable by other users. On failure nothing of it remains."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}.", dir=out.parent))
-    with writing(tmp):
+    with writing(tmp, name=out):
         yield tmp
         from spectrain.integrity import make_readable
 

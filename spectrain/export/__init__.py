@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from spectrain.errors import writing
 from spectrain.export.common import ExportError, resolve_source
 from spectrain.export.eagle3 import (
     export_sglang_eagle3,
@@ -57,7 +58,8 @@ def _format(fmt: str) -> tuple[Callable[..., dict], Callable[..., list[str]]]:
 def export(source, fmt: str, out, target: str | None = None, force: bool = False) -> dict:
     """Resolve a run or checkpoint dir, export it as ``fmt`` into ``out`` (validated before it lands)."""
     src = resolve_source(source)
-    return _format(fmt)[0](src, guard_export(src, out, force), target, overwrite=force)
+    with writing(out, remove=False):  # names --out in a disk-full message (the staged temp dir is removed)
+        return _format(fmt)[0](src, guard_export(src, out, force), target, overwrite=force)
 
 
 def validate(fmt: str, out) -> list[str]:
