@@ -266,6 +266,20 @@ def _require(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def check_draft_layers(init: str, num_layers: int | None = None) -> list[int]:
+    """The layer ids of drafter.draft.init=layers:i,j,... : increasing, and (given the target's depth) in
+    range. One check for the recipe, `spectrain check` and the training's layer_subset."""
+    if not init.startswith("layers:"):
+        return []
+    layers = [int(x) for x in init.split(":", 1)[1].split(",")]
+    _require(all(b > a for a, b in zip(layers, layers[1:])),
+             f"drafter.draft.init={init}: list the layer ids in increasing order without repeats (e.g. layers:0,7)")
+    bad = [i for i in layers if num_layers is not None and not 0 <= i < num_layers]
+    _require(not bad, f"drafter.draft.init={init}: layer ids {bad} are out of range; the target has {num_layers} "
+                      f"decoder layers (ids 0..{(num_layers or 1) - 1})")
+    return layers
+
+
 def validate(r: Recipe) -> Recipe:
     """Numeric and cross-field sanity. Raises ValueError naming the key and the fix."""
     d, t, dr = r.data, r.training, r.drafter
@@ -297,10 +311,10 @@ def validate(r: Recipe) -> Recipe:
     e = dr.eagle3
     _require(all(i >= 0 for i in e.aux_layers) and len(set(e.aux_layers)) == len(e.aux_layers),
              f"drafter.eagle3.aux_layers={e.aux_layers} must be distinct layer ids >= 0 ([] = derive)")
-    _require(list(e.aux_layers) == sorted(e.aux_layers),
-             f"drafter.eagle3.aux_layers={e.aux_layers} must be ascending ({sorted(e.aux_layers)}): vLLM, SGLang and "
-             "TensorRT-LLM feed fc the captured layers in ascending order, so a head trained in another order "
-             "computes garbage there")
+    _require(not e.aux_layers or (len(e.aux_layers) == 3 and e.aux_layers == sorted(e.aux_layers)),
+             f"drafter.eagle3.aux_layers={e.aux_layers}: give 3 layer ids in ascending order (or [] to derive "
+             "them): vLLM, SGLang and TensorRT-LLM build fc for exactly 3 captured layers and feed them in "
+             "ascending order, so they refuse (or silently mis-serve) any other head")
     _require(e.sliding_window >= 0, f"drafter.eagle3.sliding_window={e.sliding_window} must be >= 0 (0 = full attention)")
     _require(not (e.norm_before_fc and e.fc_norm),
              "drafter.eagle3.norm_before_fc and fc_norm are exclusive (one norm over the concatenated aux states, or "
@@ -315,6 +329,7 @@ def validate(r: Recipe) -> Recipe:
     _require(dr.medusa.num_resblocks >= 0, "drafter.medusa.num_resblocks must be >= 0")
     _require(bool(_INIT_RE.match(dr.draft.init)),
              f"drafter.draft.init={dr.draft.init!r}: use pretrained, config, or layers:<i>,<j>,... (e.g. layers:0,1)")
+    check_draft_layers(dr.draft.init)
     if dr.kind == "draft":
         _require(bool(dr.draft.model) or dr.draft.init.startswith("layers:"),
                  f"drafter.draft.model is empty but init={dr.draft.init}: give a model id/path, "
@@ -400,10 +415,17 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     from spectrain.resources import anchor_shipped_paths, resolve_recipe
 
     path, shipped = resolve_recipe(str(path))
+    if path.is_dir():
+        raise IsADirectoryError(f"recipe {path} is a directory: give a YAML recipe file (e.g. {path}/eagle3.yaml)")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from None
+        raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text (UTF-8 YAML) file") from None
+    if raw is None:
+        raise ValueError(f"{path} is empty: a recipe needs at least the sections it changes (see recipes/tiny/*.yaml; "
+                         "an explicit `{}` means all defaults)")
     if raw is not None and not isinstance(raw, dict):
         raise ValueError(f"{path}: a recipe must be a mapping of sections (target:, data:, drafter: ...)")
     if shipped and raw:
@@ -415,8 +437,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
 
 
 def _fail(msg: str) -> int:
-    print(f"spectrain check: FAILED: {msg}", file=sys.stderr)
-    return 2  # bad input, like every other command
+    """One line, exit status 2: the same as every other command's expected failures (spectrain/errors.py)."""
+    print(f"spectrain check: FAILED: {' '.join(msg.split())}", file=sys.stderr)
+    return 2
 
 
 def _check_target(r: Recipe):
@@ -453,6 +476,11 @@ def _check_target(r: Recipe):
         if bad:
             raise ValueError(f"drafter.eagle3.aux_layers {bad} out of range: the target has {n} layers "
                              f"(ids are layer inputs, 0..{n - 1}; the final output is not an aux layer)")
+    if r.drafter.kind == "draft":
+        check_draft_layers(r.drafter.draft.init, cfg.num_hidden_layers)
+    if r.training.features == "offline" and not (Path(r.training.feature_cache) / "manifest.json").is_file():
+        raise ValueError(f"training.features=offline but training.feature_cache={r.training.feature_cache!r} holds no "
+                         "feature cache (manifest.json): write it with `spectrain prepare-features RECIPE`")
     if r.drafter.kind == "draft" and r.drafter.draft.model:
         d = r.drafter.draft.model
         dtok = AutoTokenizer.from_pretrained(d, trust_remote_code=trc)
@@ -486,7 +514,7 @@ def check_main(recipe_path: str, overrides: list[str]) -> int:
     """`spectrain check`: print the resolved recipe, then verify target, tokenizer and a data sample."""
     try:
         r = load_recipe(recipe_path, overrides)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         return _fail(str(e))
     print(r.to_yaml().rstrip())
     print("---")
@@ -495,7 +523,7 @@ def check_main(recipe_path: str, overrides: list[str]) -> int:
         accum = r.training.grad_accum(world)
         cfg, tok = _check_target(r)
         data_lines = _check_data(r, tok)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         return _fail(str(e))
     print(f"OK target {r.target.name_or_path}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
           f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size} (tokenizer {len(tok)}), chat template present")
