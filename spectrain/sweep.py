@@ -64,7 +64,8 @@ def _rows(encoded: dict[str, list[list[int]]], n: int) -> list[list[int]]:
     return [pool[i % len(pool)] for i in range(n)]
 
 
-def _timed(fn, **kw) -> tuple[list, float]:
+def timed(fn, **kw):
+    """(fn(**kw), seconds), with CUDA work finished on both ends."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -95,10 +96,10 @@ def run_sweep(target, drafters: dict, plan: dict, encoded: dict, args, bar=None)
     cells = []
     for temp in args.temperature:
         for B in sizes:
-            plain = _cell(*_timed(plain_generate, temperature=temp, batch_size=B, **common))
+            plain = _cell(*timed(plain_generate, temperature=temp, batch_size=B, **common))
             for d, cfgs in plan.items():
                 for cfg in (c for c in cfgs if c.temperature == temp):
-                    spec = _cell(*_timed(speculative_generate, drafter=drafters[d], k=cfg.k, tree=cfg.tree,
+                    spec = _cell(*timed(speculative_generate, drafter=drafters[d], k=cfg.k, tree=cfg.tree,
                                          temperature=temp, batch_size=B, **common))
                     cells.append(_record(d, cfg, B, spec, plain))
                     if bar is not None:
