@@ -236,3 +236,21 @@ def test_reference_target_b8_every_family_equals_plain_greedy():
     for name, (d, tree) in drafters.items():
         outs = speculative_generate(target, d, prompts, 24, k=4, tree=tree, batch_size=8)
         assert [o.tokens for o in outs] == refs, name
+
+
+@pytest.mark.parametrize("tree", [None, {"topk": 2}])
+def test_draft_lm_batched_cache_drafts_what_one_row_drafts(tree):
+    """Chains share one draft KV cache (rejected drafts become holes); per row the drafts, and so every
+    acceptance counter, equal batch size 1's. A noisy copy of the target accepts some, rejects some."""
+    target = make_tiny_target("qwen2")
+    draft = make_tiny_model("qwen2")
+    with torch.no_grad():
+        w = draft.get_output_embeddings().weight
+        w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) * w.std() * 0.4)
+    refs = [hf_greedy(target, p, 30, eos=2) for p in PROMPTS]
+    one = speculative_generate(target, DraftLMDrafter(draft, target), PROMPTS, 30, k=4, eos_token_id=2, tree=tree)
+    many = speculative_generate(target, DraftLMDrafter(draft, target), PROMPTS, 30, k=4, eos_token_id=2, tree=tree,
+                                batch_size=3)
+    assert [o.tokens for o in many] == refs
+    assert [(o.stats.attempts, o.stats.accepts) for o in many] == [(o.stats.attempts, o.stats.accepts) for o in one]
+    assert 0.1 < DecodeStats.merge([o.stats for o in many]).acceptance_rate < 0.9
