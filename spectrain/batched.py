@@ -158,7 +158,11 @@ class _Step:
                 continue
             n = len(p)
             ids[b, 1: n + 1] = p.tokens.to(dev)
-            parents = list(range(-1, n - 1)) if p.is_chain else p.parents.tolist()
+            if p.is_chain:  # node i sees the root and nodes 0..i
+                depth[b, 1: n + 1] = torch.arange(1, n + 1, device=dev)
+                anc[b, : n + 1, : n + 1] = torch.ones(n + 1, n + 1, dtype=torch.bool, device=dev).tril()
+                continue
+            parents = p.parents.tolist()
             depth[b, 1: n + 1] = torch.tensor(_depths(parents), device=dev)
             for i, par in enumerate(parents):
                 anc[b, i + 1] |= anc[b, par + 1]
