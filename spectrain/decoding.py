@@ -27,6 +27,7 @@ import torch
 from spectrain.acceptance import accept_chain, accept_tree
 from spectrain.drafters.base import DraftContext, Drafter, Proposal, TargetFeatures
 from spectrain.sampling import Sampler
+from spectrain.validate import check_generate_args
 
 
 @dataclass
@@ -134,6 +135,7 @@ def speculative_generate(
     ``[]`` = never stop early. ``drafter=None`` is plain decoding (see ``plain_generate``).
     ``batch_size``: None = rows one after another; B = B rows per target pass (spectrain/batched.py).
     """
+    check_generate_args(target, drafter, input_ids, k, tree, temperature, top_p, top_k)
     if drafter is None:
         k = 0
     elif not isinstance(k, int) or k <= 0:

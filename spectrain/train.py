@@ -25,6 +25,7 @@ the loop when ZeRO-3 / FSDP shard the module); register it in ``DRAFTERS``.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 import warnings
@@ -35,17 +36,19 @@ import torch
 from torch import nn
 
 from spectrain import checkpoint as ckpt
-from spectrain.engine import (  # noqa: F401  (resolve_precision: re-exported)
+from spectrain.engine import (  # noqa: F401  (resolve_precision, resolve_num_threads: re-exported)
     full_state_dict,
     is_sharded,
     load_target_for,
     make_accelerator,
+    resolve_num_threads,
     resolve_precision,
     shard_target,
     shard_target_fsdp,
     zero3,
 )
 from spectrain.losses import sim_tau
+from spectrain.packing import pack_rows
 from spectrain.sources import OnlineSource, make_sources  # noqa: F401  (re-exported for scripts and tests)
 from spectrain.target import gathered
 
@@ -148,7 +151,7 @@ def build_optimizer(recipe, drafter: nn.Module, target) -> tuple[torch.optim.Opt
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]  # norms and biases: no weight decay
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=tuple(t.adam_betas), eps=1e-8)
     return opt, params
 
 
@@ -174,8 +177,9 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
 
     from spectrain.data import build_dataset, token_frequencies
 
-    acc = make_accelerator(recipe)
     t = recipe.training
+    torch.set_num_threads(resolve_num_threads(t.num_threads))
+    acc = make_accelerator(recipe)
     if acc.device.type == "cpu":
         torch.set_flush_denormal(True)  # tiny Adam/grad values as denormals make CPU kernels crawl
     set_seed(t.seed)
@@ -209,8 +213,8 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
                          f"{t.global_batch_size}; lower the batch size or add data")
     total = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t.schedule, t.warmup_steps, total))
+    # The schedule is saved as JSON by spectrain.checkpoint, not registered with accelerate (which pickles it).
     model, opt = acc.prepare(_LossModule(drafter, target), opt)
-    acc.register_for_checkpointing(sched)
     out = Path(recipe.output_dir)
     return Run(acc=acc, recipe=recipe, target=target, drafter=drafter, model=model, opt=opt, sched=sched,
                params=params, train_src=train_src, held_src=held_src, out=out, total=total,
@@ -265,6 +269,8 @@ def train_step(run) -> dict:
     losses, parts, tokens, finite = [], [], 0, True
     for mb in step_micro_batches(run):
         batch, feats = run.train_src.get(mb)
+        if t.packing:  # one row of real tokens per micro-batch, attention masked per document
+            batch, feats = pack_rows(batch, feats)
         tokens += int(batch["attention_mask"].sum())
         with acc.accumulate(run.model):
             with acc.autocast():
@@ -372,7 +378,26 @@ def save(run) -> Path:
     drafter = run.acc.unwrap_model(run.model).drafter
     sd = full_state_dict(drafter) if is_sharded(drafter) else None  # collective
     return ckpt.save_checkpoint(run.acc, drafter, run.out, state, run.recipe.training.keep_checkpoints,
-                                state_dict=sd)
+                                state_dict=sd, scheduler=run.sched)
+
+
+def extend(run, saved: dict) -> None:
+    """A resume whose training.max_steps / epochs changed the run's length. It may grow (the run goes on);
+    the LR schedule is then the one of the new length, from the resumed step on (README, "Resume")."""
+    old = saved.get("total_steps", run.total)
+    if run.total < saved["step"]:
+        raise ValueError(f"the recipe now stops at step {run.total} but the checkpoint is at step {saved['step']}: "
+                         "a resume can only keep or grow the run's length (training.max_steps / training.epochs)")
+    if run.total == old:
+        return
+    t = run.recipe.training
+    for group, base in zip(run.opt.param_groups, run.sched.base_lrs):  # the step about to run, on the new curve
+        group["lr"] = base * lr_factor(saved["step"], t.schedule, t.warmup_steps, run.total)
+    run.sched._last_lr = [g["lr"] for g in run.opt.param_groups]
+    if run.acc.is_main_process:
+        print(f"resume: the run's length changed from {old} to {run.total} steps; the {t.schedule} LR schedule "
+              f"continues on the curve of the new length from step {saved['step']} (lr now "
+              f"{run.opt.param_groups[0]['lr']:.3g})")
 
 
 # ---- the loop ----------------------------------------------------------------------------------------
@@ -385,12 +410,13 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
 
     run = setup(recipe, target, train_rows, heldout_rows)
     acc, t = run.acc, recipe.training
-    saved = ckpt.resume(acc, run.out, t.resume_from, recipe.to_dict(), run.metrics_path)
+    saved = ckpt.resume(acc, run.out, t.resume_from, recipe.to_dict(), run.metrics_path, run.sched)
     if saved is not None:
         run.state = {k: saved[k] for k in run.state}
+        extend(run, saved)
     else:
         # the untrained head: the baseline a report compares the trained one against
-        save_drafter(run, lambda d, sd: ckpt.save_drafter_dir(d, run.out / "init", sd))
+        save_drafter(run, lambda d, sd: ckpt.save_drafter_atomic(d, run.out / "init", sd))
     from spectrain.features import target_fingerprint
 
     ckpt.start_run(acc, recipe, {"target_fingerprint": target_fingerprint(run.target),
@@ -417,6 +443,7 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
                 ev = evaluate(run)
                 if ev is not None:
                     log(run, ev)
+                if ev is not None and acc.is_main_process:  # tqdm.write prints on every rank
                     bar.write(f"step {step}: held-out sim_tau (proxy) {ev['eval/sim_tau_proxy']:.3f}  "
                               f"acc_0 {ev.get('eval/acc_0', float('nan')):.3f}")
                 maybe_best(run, ev)
@@ -458,6 +485,8 @@ def main(recipe_path: str, overrides: list[str] | None = None) -> int:
         sig = summary["interrupted_by"]
         return 128 + (int(sig) if isinstance(sig, int) else 15)
     tau = summary["best_sim_tau_proxy"]
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # one summary per run, from rank 0
     print(f"done: {summary['step']} steps in {summary['wall_s']:.0f}s; best held-out sim_tau (proxy) "
           f"{'n/a' if tau is None else f'{tau:.3f}'} at step {summary['best_step']}; run dir {summary['output_dir']}")
     return 0

@@ -230,14 +230,9 @@ def _layers_prefix(target) -> str:
 def layer_subset(target, layers: list[int]) -> nn.Module:
     """A float32 copy of the target keeping only decoder `layers` (plus embeddings, final norm, lm_head).
     Built from the target's own class and config; weights are copied, never shared."""
-    n = target.num_layers
-    bad = [i for i in layers if not 0 <= i < n]
-    if bad:
-        raise ValueError(f"drafter.draft.init=layers:{','.join(map(str, layers))}: layer ids {bad} are out of "
-                         f"range; the target has {n} decoder layers (ids 0..{n - 1})")
-    if any(b <= a for a, b in zip(layers, layers[1:])):
-        raise ValueError(f"drafter.draft.init=layers:{','.join(map(str, layers))}: list the layer ids in "
-                         "increasing order without repeats (e.g. layers:0,7)")
+    from spectrain.recipe import check_draft_layers
+
+    check_draft_layers(f"layers:{','.join(map(str, layers))}", target.num_layers)  # the same check as `check`
     from spectrain.target import gathered
 
     prefix = _layers_prefix(target)

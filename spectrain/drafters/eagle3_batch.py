@@ -81,7 +81,7 @@ class BatchedEagle3:
         new_mask = (causal[None] & real[:, None, :] & real[:, :, None]) | torch.eye(m, dtype=torch.bool, device=dev)
         past = (self.slot_pos >= 0)[:, None, :] & real[:, :, None]
         mask = torch.cat([past, new_mask], -1)[:, None]
-        h, logits, new = self._run(self.p.target.embed(ids), model.fc(model._inputs(aux)), pos, mask, self._empty(B))
+        h, logits, new = self._run(self.p.target.embed(ids), model.fuse(aux), pos, mask, self._empty(B))
         self.cache = self.p._append(self.cache, new)
         self.slot_pos = torch.cat([self.slot_pos, torch.where(real, pos, -1)], 1)
         for b, c in enumerate(counts):
