@@ -358,7 +358,7 @@ def plot_batch_sweep(out_dir: Path, sw: dict, target: str) -> Path:
     for i, key in enumerate(keys):
         cs = [c for c in sw["cells"] if (c["drafter"], c["config"]) == key]
         bs, ls = [c["batch_size"] for c in cs], "--" if cs[0]["tree"] else "-"
-        name = f"{Path(key[0]).name or key[0]} · {key[1]}"
+        name = f"{'/'.join(Path(key[0]).parts[-2:]) or key[0]} · {key[1]}"
         axes[0].plot(bs, [c["tokens_per_s"] for c in cs], ls=ls, marker="o", color=colors(i % 10), label=name)
         if cs[0]["temperature"] not in plain_done:
             plain_done.add(cs[0]["temperature"])
