@@ -124,7 +124,12 @@ def test_planted_pickle_with_a_resealed_manifest_is_still_refused(world, tmp_pat
     (run / "step-2" / "accelerate" / "custom_checkpoint_0.pkl").unlink()
     rng.write_bytes(payload(marker))
     seal(run / "step-2")
-    refused(capsys, train_argv(world, run, "training.resume_from=auto"), r"random_states_0\.pkl is not plain RNG")
+    refused(capsys, train_argv(world, run, "training.resume_from=auto"), r"random_states_0\.pkl is not plain data")
+    shutil.copy(world / "run" / "step-2" / "accelerate" / rng.name, rng)
+    (run / "step-2" / "accelerate" / "optimizer.bin").write_bytes(payload(marker))  # read by accelerate itself
+    seal(run / "step-2")
+    refused(capsys, train_argv(world, run, "training.resume_from=auto"),
+            r"holds a pickled object \(posix\.system\), not plain data, and is not unpickled")
     assert not marker.exists()
 
 
@@ -143,7 +148,7 @@ def test_legacy_checkpoint_scheduler_pickle_read_as_data_only(world, tmp_path, c
     for f in ("scheduler.json", "SHA256SUMS"):
         (run2 / "step-2" / f).unlink()
     (run2 / "step-2" / "accelerate" / "custom_checkpoint_0.pkl").write_bytes(payload(marker))
-    refused(capsys, train_argv(world, run2, "training.resume_from=auto"), r"holds pickled objects, not plain data")
+    refused(capsys, train_argv(world, run2, "training.resume_from=auto"), r"custom_checkpoint_0\.pkl is not plain data .*could run code")
     assert not marker.exists()
 
 
