@@ -129,7 +129,7 @@ def test_planted_pickle_with_a_resealed_manifest_is_still_refused(world, tmp_pat
     (run / "step-2" / "accelerate" / "optimizer.bin").write_bytes(payload(marker))  # read by accelerate itself
     seal(run / "step-2")
     refused(capsys, train_argv(world, run, "training.resume_from=auto"),
-            r"holds a pickled object \(posix\.system\), not plain data, and is not unpickled")
+            r"holds a pickled object.*not plain data, and is not unpickled \(it could run code\)")
     assert not marker.exists()
 
 
