@@ -23,19 +23,25 @@ def resolve_precision(precision: str) -> str:
     return precision
 
 
+def check_trackers(recipe) -> list[str]:
+    """The recipe's wandb / tensorboard trackers, each installed (also run by `spectrain check`)."""
+    import importlib.util
+
+    trackers = [t for t in recipe.tracking.report_to if t in ("wandb", "tensorboard")]
+    for t in trackers:
+        if importlib.util.find_spec(t) is None:
+            raise ValueError(f"tracking.report_to includes {t} but {t} is not installed: "
+                             f"pip install 'spectrain[{t}]' (or drop it from tracking.report_to)")
+    return trackers
+
+
 def make_accelerator(recipe):
     from accelerate import Accelerator
 
     # From the launcher's environment: building PartialState here would freeze its device choice
     # before Accelerator reads ACCELERATE_USE_CPU.
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    trackers = [t for t in recipe.tracking.report_to if t in ("wandb", "tensorboard")]
-    for t in trackers:
-        import importlib.util
-
-        if importlib.util.find_spec(t) is None:
-            raise ValueError(f"tracking.report_to includes {t} but {t} is not installed: "
-                             f"pip install 'spectrain[{t}]' (or drop it from tracking.report_to)")
+    trackers = check_trackers(recipe)
     handlers = []
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not torch.cuda.is_available():
         from accelerate.utils import InitProcessGroupKwargs

@@ -34,6 +34,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from spectrain.errors import writing
+
 FORMAT_VERSION = 1
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 FP8_MAX = 448.0  # largest finite float8 e4m3fn value
@@ -169,7 +171,8 @@ def _write_shard(target, out: Path, name: str, split: str, rows, a: int, b: int,
     tensors = _compute_shard(target, [rows[i] for i in range(a, b)], aux_layers, dtype, batch_size)
     path = out / name
     tmp = out / f"{name}.tmp{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"split": split, "row_start": str(a)})
+    with writing(tmp, name=path):  # a failed write (disk full) leaves no half shard; finished ones stay (resume)
+        save_file(tensors, str(tmp), metadata={"split": split, "row_start": str(a)})
     os.replace(tmp, path)
     entry = {"file": name, "row_start": a, "rows": b - a, "lengths": lengths[a:b], "tokens": sum(lengths[a:b]),
              "bytes": path.stat().st_size, "sha256": _sha256(path)}

@@ -478,6 +478,13 @@ def check_main(recipe_path: str, overrides: list[str]) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         accum = r.training.grad_accum(world)
+        from spectrain.engine import check_trackers, resolve_precision
+
+        resolve_precision(r.training.precision)  # the same checks `train` runs before it loads anything
+        check_trackers(r)
+        if r.drafter.kind == "ngram":
+            print("note: drafter.kind=ngram is training-free: `spectrain train` refuses it; evaluate it with "
+                  "`spectrain eval --drafter ngram`")
         cfg, tok = _check_target(r)
         data_lines = _check_data(r, tok)
     except (ValueError, OSError) as e:

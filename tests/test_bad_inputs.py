@@ -349,6 +349,7 @@ def _recipe_cases(world: Path, tmp: Path) -> list[tuple[list, str]]:
         (["train", r, f"output_dir={tmp / 'r'}", f"training.resume_from={tmp / 'adir'}"],
          r"resume_from=.*adir.* is not a checkpoint directory"),
         (["train", r, f"output_dir={tmp / 'r'}", "training.precision=fp16"], r"fp16 needs a CUDA device"),
+        (["check", r, "training.precision=fp16"], r"fp16 needs a CUDA device"),
         (["train", r], r"already holds checkpoints of a run: continue it with training.resume_from=auto"),
     ]
 
