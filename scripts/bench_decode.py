@@ -3,6 +3,7 @@
     python scripts/bench_decode.py                                  # assets/reference-target, CPU
     python scripts/bench_decode.py --target PATH --n-prompts 12 --max-new-tokens 96 --k 4
     python scripts/bench_decode.py --target PATH --device cuda      # a GPU run (bf16)
+    python scripts/bench_decode.py --batch-size 1 --batch-size 4 --batch-size 16   # + the batched table
 
 Rows (greedy, the same prompts, one prompt at a time):
   (a) HF generate, plain                (f) spectrain plain loop (its own baseline, tau = 1)
@@ -16,6 +17,11 @@ threshold 0). HF tau = new tokens / target forward calls (counted with a hook); 
 excludes its prefill pass, which emits no token. "vs HF" compares (c) with (d) and (b) with (e):
 > 1.0 means spectrain is faster. "match" says whether the tokens equal (a) for every prompt.
 Prints a markdown table; --json writes the numbers too.
+
+With ``--batch-size B`` (repeatable) a second table decodes the same prompts (cycled to the largest
+B) B rows at a time: HF ``generate`` on left-padded batches, spectrain's plain batched loop, and
+spectrain + n-gram / + the draft model with ``batch_size=B``; throughput over the batch, the
+speedup against spectrain plain at the same B, and whether every row equals row-by-row HF greedy.
 """
 
 from __future__ import annotations
@@ -112,6 +118,49 @@ def run_spectrain(target, drafter, prompts, max_new, eos, k) -> dict:
     return dict(tokens=[o.tokens for o in outs], emitted=st.emitted, wall=wall, tau=st.tau, stats=st.to_dict())
 
 
+def run_hf_batched(target, prompts, max_new, eos, B) -> dict:
+    model, toks, t0 = target.model, [], time.perf_counter()
+    pad = eos[0] if eos else 0
+    for i in range(0, len(prompts), B):
+        chunk = prompts[i: i + B]
+        L = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (L - len(p)) + p for p in chunk], device=target.device)
+        am = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk], device=target.device)
+        out = model.generate(ids, attention_mask=am, max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+                             pad_token_id=pad)
+        for row in out[:, L:].tolist():  # HF pads finished rows: cut at the first eos
+            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+            toks.append(row[:cut])
+    wall = time.perf_counter() - t0
+    return dict(tokens=toks, emitted=sum(map(len, toks)), wall=wall, tau=1.0)
+
+
+def batched_table(target, drafter, prompts, args, eos) -> dict:
+    """Per batch size: HF batched generate, spectrain plain / n-gram / draft model with batch_size=B."""
+    rows = [prompts[i % len(prompts)] for i in range(max(args.batch_size))]
+    ref = run_hf(target, rows, args.max_new_tokens, eos)["tokens"]  # row by row: the greedy truth
+    mx, k, table = args.max_new_tokens, args.k, {}
+    for B in sorted(set(args.batch_size)):
+        def spec(d, B=B):
+            t0 = time.perf_counter()
+            outs = speculative_generate(target, d, rows, mx, k=k, eos_token_id=eos, batch_size=B)
+            wall = time.perf_counter() - t0
+            st = DecodeStats.merge([o.stats for o in outs])
+            return dict(tokens=[o.tokens for o in outs], emitted=st.emitted, wall=wall, tau=st.tau)
+        cells = {"HF generate, padded batch": run_hf_batched(target, rows, mx, eos, B),
+                 "spectrain plain": spec(None), "spectrain + ngram": spec(NgramDrafter(max_n=args.ngram_max)),
+                 "spectrain + draft model": spec(drafter)}
+        base = cells["spectrain plain"]
+        for name, r in cells.items():
+            r["tok_s"] = r["emitted"] / r["wall"]
+            r["speedup"] = r["tok_s"] / (base["emitted"] / base["wall"])
+            r["match"] = r["tokens"] == ref
+            print(f"| {B} | {name} | {r['emitted']} | {r['tok_s']:.1f} | {r['tau']:.2f} | {r['speedup']:.2f} "
+                  f"| {'yes' if r['match'] else 'no'} |", flush=True)
+        table[B] = {n: {k2: v for k2, v in r.items() if k2 != "tokens"} for n, r in cells.items()}
+    return table
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="assets/reference-target")
@@ -126,7 +175,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the median wall time is kept")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--batch-size", action="append", type=int, default=None,
+                    help="also decode B rows at a time (repeatable): the batched table")
+    ap.add_argument("--skip-single", action="store_true", help="only the batched table")
     args = ap.parse_args(argv)
+    if args.batch_size and min(args.batch_size) < 1:
+        ap.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
@@ -147,6 +201,16 @@ def main(argv=None) -> int:
     k, mx = args.k, args.max_new_tokens
     run_spectrain(target, NgramDrafter(), prompts[:1], 8, eos, k)  # warm-up (allocator, kernels)
     run_hf(target, prompts[:1], 8, eos)
+    batched = {}
+    if args.batch_size:
+        print(f"\nbatched, greedy, {max(args.batch_size)} rows (prompts cycled), max_new_tokens={mx}, k={k}; "
+              "speedup vs spectrain plain at the same B; match = every row equals row-by-row HF greedy\n")
+        print("| B | method | tokens | tok/s | tau | speedup | match |\n|---|---|---|---|---|---|---|")
+        batched = batched_table(target, drafter, prompts, args, eos)
+    if args.skip_single:
+        if args.json:
+            Path(args.json).write_text(json.dumps({"batched": batched}, indent=1))
+        return 0
     methods = {
         "(a) HF generate, plain": lambda: run_hf(target, prompts, mx, eos),
         "(f) spectrain plain loop": lambda: run_spectrain(target, None, prompts, mx, eos, k),
@@ -182,8 +246,8 @@ def main(argv=None) -> int:
         print(f"| {name} | {r['emitted']} | {r['tok_s']:.1f} | {r['tau']:.2f} | {r['tok_s'] / (base['emitted'] / base['wall']):.2f} "
               f"| {vs} | {match} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({n: {k2: v for k2, v in r.items() if k2 != "tokens"}
-                                               for n, r in rows.items()}, indent=1))
+        Path(args.json).write_text(json.dumps({**{n: {k2: v for k2, v in r.items() if k2 != "tokens"}
+                                                  for n, r in rows.items()}, "batched": batched}, indent=1))
     return 0
 
 

@@ -14,7 +14,12 @@ one warm-up batch, with the recipe's precision (bf16 autocast on CUDA, fp32 on C
 - offline step:   features read back from bf16 tensors on the host (what the offline cache stores)
                   + the same draft work: the target forward drops out, the teacher logits are
                   rebuilt from the stored last hidden state with the frozen norm + lm_head;
+- packed:         the same steps with ``training.packing`` (each micro-batch's real tokens in one row,
+                  TTT attention per document: spectrain/packing.py); the padding share is printed;
 - per TTT step:   draft forward+backward time of ttt_steps=K minus ttt_steps=1, over K-1.
+
+``--repeats R`` runs every variant R times, interleaved, and reports each phase's median round.
+Threads: ``--threads``, else what ``training.num_threads=0`` picks (``engine.resolve_num_threads``).
 
 Not a test; prints a table (and writes JSON with --json) for the README.
 """
@@ -40,10 +45,11 @@ def _sync(device) -> None:
 
 
 class Clock:
-    """Accumulates wall time per named phase (device-synchronised)."""
+    """Accumulates wall time per named phase (device-synchronised); with cpu=True the process's CPU
+    time instead, which a shared host's load barely moves (use it with --threads 1 on CPU)."""
 
-    def __init__(self, device):
-        self.device, self.t = device, {}
+    def __init__(self, device, cpu: bool = False):
+        self.device, self.t, self.now = device, {}, time.process_time if cpu else time.perf_counter
 
     def __call__(self, name: str):
         clock = self
@@ -51,11 +57,11 @@ class Clock:
         class _Ctx:
             def __enter__(self):
                 _sync(clock.device)
-                self.t0 = time.perf_counter()
+                self.t0 = clock.now()
 
             def __exit__(self, *exc):
                 _sync(clock.device)
-                clock.t[name] = clock.t.get(name, 0.0) + time.perf_counter() - self.t0
+                clock.t[name] = clock.t.get(name, 0.0) + clock.now() - self.t0
 
         return _Ctx()
 
@@ -93,14 +99,18 @@ def autocast_ctx(recipe, device):
     return torch.autocast(str(device).split(":")[0], dtype=torch.bfloat16 if mp == "bf16" else torch.float16)
 
 
-def run_variant(name, batches, get, drafter, opt, clock, amp, steps=None):
+def run_variant(name, batches, get, drafter, opt, clock, amp, steps=None, packed=False):
     """Train steps over `batches` (the first is warm-up, untimed). `get(idx)` -> (batch, feats)."""
+    from spectrain.packing import pack_rows
+
     if steps is not None:
         drafter.config["ttt_steps"] = steps
     for j, idx in enumerate(batches):
         tag = name if j else "warmup"
         with clock(f"{tag}/features"):
             batch, feats = get(idx)
+            if packed:  # training.packing: one row of real tokens, attention per document
+                batch, feats = pack_rows(batch, feats)
         with clock(f"{tag}/draft_fwd"), amp():
             loss, _ = drafter.train_loss(batch, feats, get.target)
         with clock(f"{tag}/draft_bwd"):
@@ -116,32 +126,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--batches", type=int, default=6, help="timed micro-batches per variant")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = what training.num_threads=0 "
+                    "picks: $SPECTRAIN_NUM_THREADS, $OMP_NUM_THREADS, else the CPU affinity)")
     ap.add_argument("--json", default="", help="also write the numbers to this file")
+    ap.add_argument("--cpu-time", action="store_true", help="time phases by the process's CPU time, not wall "
+                    "time (CPU only; with --threads 1 it is what the work costs, whatever else loads the host)")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds over all variants, interleaved; each phase's "
+                    "median round is reported (a shared machine's load drifts)")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or T.resolve_num_threads(0))  # as the training loop does
     torch.set_flush_denormal(True)  # as the training loop does on CPU (denormals make CPU math crawl)
     recipe, target, drafter, src, batches = build(args.recipe, args.overrides, args.batches)
-    dev, clock = target.device, Clock(target.device)
+    dev = target.device
     amp = lambda: autocast_ctx(recipe, dev)  # noqa: E731
     timed = batches[1:]
     tokens = sum(int(src.lengths[i]) for b in timed for i in b)
-
-    # 1. plain target forward (logits), the reference cost
     from spectrain.data import collate
 
-    for j, idx in enumerate(batches):
-        batch = {k: v.to(dev) for k, v in collate([src.rows[i] for i in idx], src.pad_id).items()}
-        with clock("target_forward" if j else "warmup/tf"), torch.no_grad(), amp():
-            target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-
-    # 2. online training steps
     opt, _ = T.build_optimizer(recipe, drafter, target)
     online = _Getter(src.get, target)
-    run_variant("online", batches, online, drafter, opt, clock, amp)
-
-    # 3. offline: features precomputed once, stored as bf16 on the host like the cache, read back per step
+    # offline: features precomputed once, stored as bf16 on the host like the cache, read back per step
     store = {}
     for idx in batches:
         b, f = src.get(idx)
@@ -153,14 +157,29 @@ def main(argv: list[str] | None = None) -> int:
                 {k: v.to(dev, torch.float32 if T.resolve_precision(recipe.training.precision) == "no" else v.dtype)
                  for k, v in f.items()})
 
-    run_variant("offline", batches, _Getter(offline_get, target), drafter, opt, clock, amp)
-
-    # 4. per TTT step: draft fwd+bwd at ttt_steps=1 and =K on the offline batches (no optimizer)
-    k = int(recipe.drafter.eagle3.ttt_steps)
-    run_variant("ttt1", batches, _Getter(offline_get, target), drafter, None, clock, amp, steps=1)
-    run_variant(f"ttt{k}", batches, _Getter(offline_get, target), drafter, None, clock, amp, steps=k)
-    drafter.config["ttt_steps"] = k
-    report(clock.t, tokens, k, len(timed), recipe, target, args.json)
+    offline, k = _Getter(offline_get, target), int(recipe.drafter.eagle3.ttt_steps)
+    rounds = []
+    for _ in range(args.repeats):  # every variant once per round; the median round per phase is reported
+        clock = Clock(dev, cpu=args.cpu_time)
+        # 1. plain target forward (logits), the reference cost
+        for j, idx in enumerate(batches):
+            batch = {k: v.to(dev) for k, v in collate([src.rows[i] for i in idx], src.pad_id).items()}
+            with clock("target_forward" if j else "warmup/tf"), torch.no_grad(), amp():
+                target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        # 2. training steps: online / offline features, padded rows / packed rows
+        run_variant("online", batches, online, drafter, opt, clock, amp)
+        run_variant("offline", batches, offline, drafter, opt, clock, amp)
+        run_variant("offline_packed", batches, offline, drafter, opt, clock, amp, packed=True)
+        run_variant("online_packed", batches, online, drafter, opt, clock, amp, packed=True)
+        # 3. per TTT step: draft fwd+bwd at ttt_steps=1 and =K on the offline batches (no optimizer)
+        run_variant("ttt1", batches, offline, drafter, None, clock, amp, steps=1)
+        run_variant(f"ttt{k}", batches, offline, drafter, None, clock, amp, steps=k)
+        drafter.config["ttt_steps"] = k
+        rounds.append(clock.t)
+    med = {key: sorted(r[key] for r in rounds)[len(rounds) // 2] for key in rounds[0]}
+    padded = sum(len(b) * max(int(src.lengths[i]) for i in b) for b in timed)
+    report(med, tokens, k, len(timed), recipe, target, args.json, 1 - tokens / padded, args.repeats,
+           "CPU time" if args.cpu_time else "wall time")
     return 0
 
 
@@ -172,36 +191,46 @@ class _Getter:
         return self.fn(idx)
 
 
-def report(t: dict, tokens: int, k: int, n: int, recipe, target, json_path: str) -> None:
+def report(t: dict, tokens: int, k: int, n: int, recipe, target, json_path: str, padding: float,
+           repeats: int, clock: str) -> None:
     def step(name):
         return sum(v for key, v in t.items() if key.startswith(f"{name}/"))
 
     tf, on, off = t["target_forward"], step("online"), step("offline")
+    onp, offp = step("online_packed"), step("offline_packed")
     per_ttt = (t[f"ttt{k}/draft_fwd"] + t[f"ttt{k}/draft_bwd"] - t["ttt1/draft_fwd"] - t["ttt1/draft_bwd"]) / max(k - 1, 1)
     out = {
         "target": target.name_or_path, "device": str(target.device), "threads": torch.get_num_threads(),
         "precision": T.resolve_precision(recipe.training.precision), "micro_batch_size": recipe.training.micro_batch_size,
-        "ttt_steps": k, "batches": n, "tokens": tokens,
-        "tokens_per_s": {"target_forward": tokens / tf, "train_online": tokens / on, "train_offline": tokens / off},
+        "ttt_steps": k, "batches": n, "tokens": tokens, "repeats": repeats, "clock": clock,
+        "tokens_per_s": {"target_forward": tokens / tf, "train_online": tokens / on, "train_offline": tokens / off,
+                         "train_online_packed": tokens / onp, "train_offline_packed": tokens / offp},
+        "padding_share": padding,
         "ratio_train_step_over_target_forward": {"online": on / tf, "offline": off / tf},
         "seconds_per_batch": {
             "target_forward": tf / n,
             "online": {p: t[f"online/{p}"] / n for p in ("features", "draft_fwd", "draft_bwd", "optimizer")},
-            "offline": {p: t[f"offline/{p}"] / n for p in ("features", "draft_fwd", "draft_bwd", "optimizer")},
+            **{v: {p: t[f"{v}/{p}"] / n for p in ("features", "draft_fwd", "draft_bwd", "optimizer")}
+               for v in ("offline", "online_packed", "offline_packed")},
             "draft_fwd_bwd_per_ttt_step": per_ttt / n,
             "draft_fwd_bwd_ttt1": (t["ttt1/draft_fwd"] + t["ttt1/draft_bwd"]) / n,
         },
     }
     print(f"\n{out['target']} on {out['device']} ({out['threads']} threads, precision {out['precision']}), "
-          f"{n} micro-batches of {out['micro_batch_size']} rows, {tokens} tokens, ttt_steps={k}")
+          f"{n} micro-batches of {out['micro_batch_size']} rows, {tokens} tokens, ttt_steps={k}, "
+          f"median of {repeats} interleaved round(s), {clock}")
     print(f"{'':28}{'tokens/s':>10}{'s/batch':>10}{'x target fwd':>14}")
     print(f"{'target forward (logits)':28}{tokens / tf:10.0f}{tf / n:10.3f}{1.0:14.2f}")
     print(f"{'EAGLE-3 train, online':28}{tokens / on:10.0f}{on / n:10.3f}{on / tf:14.2f}")
     print(f"{'EAGLE-3 train, offline':28}{tokens / off:10.0f}{off / n:10.3f}{off / tf:14.2f}")
-    print("\nwhere the time goes, s per batch (online | offline):")
+    print(f"{'  packed, online':28}{tokens / onp:10.0f}{onp / n:10.3f}{onp / tf:14.2f}")
+    print(f"{'  packed, offline':28}{tokens / offp:10.0f}{offp / n:10.3f}{offp / tf:14.2f}")
+    print(f"padding: {100 * padding:.1f}% of the padded micro-batches' positions")
+    print("\nwhere the time goes, s per batch (online | offline | online packed | offline packed):")
     for p, label in (("features", "target features / cache read"), ("draft_fwd", "draft forward (all TTT steps)"),
                      ("draft_bwd", "draft backward"), ("optimizer", "AdamW step")):
-        print(f"  {label:32}{t[f'online/{p}'] / n:8.3f} | {t[f'offline/{p}'] / n:8.3f}")
+        print(f"  {label:32}" + " | ".join(f"{t[f'{v}/{p}'] / n:8.3f}" for v in
+                                          ("online", "offline", "online_packed", "offline_packed")))
     print(f"  {'draft fwd+bwd per extra TTT step':32}{per_ttt / n:8.3f}   (ttt_steps=1 alone: "
           f"{out['seconds_per_batch']['draft_fwd_bwd_ttt1']:.3f}, incl. teacher logits)")
     if json_path:

@@ -6,6 +6,11 @@ Usage (from the repository root; any `a.b=value` after the recipe overrides it, 
     python scripts/train.py recipes/tiny/eagle3.yaml
     accelerate launch --cpu --num_processes 1 scripts/train.py recipes/tiny/eagle3.yaml training.max_steps=50
 
+    # the same without this script (any directory, installed wheel): the command starts accelerate itself
+    spectrain train tiny/eagle3 --nproc 2                  # 2 CPU gloo ranks without CUDA, N GPUs with it
+    spectrain train eagle3 --accelerate-config zero2       # shipped config by name, all visible GPUs
+    accelerate launch --config_file recipes/accelerate/zero2.yaml -m spectrain train eagle3
+
     # two CPU processes (gloo), to try the multi-process path without GPUs
     ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/accelerate/cpu_ddp.yaml \
         scripts/train.py recipes/tiny/eagle3.yaml

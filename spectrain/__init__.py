@@ -2,19 +2,16 @@
 
 __version__ = "0.1.0"
 
-from spectrain.target import FrozenTarget, load_target  # noqa: E402
-
 __all__ = ["FrozenTarget", "load_target", "load_drafter", "speculative_generate", "__version__"]
+
+# Lazy: `import spectrain` (and so `spectrain --help`) must not pay for torch and transformers.
+_LAZY = {"FrozenTarget": "spectrain.target", "load_target": "spectrain.target",
+         "speculative_generate": "spectrain.decoding", "load_drafter": "spectrain.drafters"}
 
 
 def __getattr__(name):
-    # Lazy so `import spectrain` stays cheap and the decoder/drafters can import the target.
-    if name == "speculative_generate":
-        from spectrain.decoding import speculative_generate
+    if name in _LAZY:
+        import importlib
 
-        return speculative_generate
-    if name == "load_drafter":
-        from spectrain.drafters import load_drafter
-
-        return load_drafter
-    raise AttributeError(name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'spectrain' has no attribute {name!r}")

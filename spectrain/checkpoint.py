@@ -53,7 +53,7 @@ _HASH_EXEMPT = {
     ("training", "resume_from"), ("training", "checkpoint_every"), ("training", "eval_every"),
     ("training", "keep_checkpoints"), ("training", "num_workers"), ("training", "feature_cache"),
     ("training", "max_nan_steps"),
-    ("data", "cache_dir"), ("tracking",), ("output_dir",),
+    ("data", "cache_dir"), ("tracking",), ("launch",), ("output_dir",),
     # the run's length may grow on resume (an extended run; the schedule rule: README, "Resume")
     ("training", "max_steps"), ("training", "epochs"),
 }
@@ -137,11 +137,10 @@ def start_run(accelerator, recipe, extra: dict) -> None:
     """Main process: run_info.json + recipe.yaml, and the trackers (wandb / tensorboard) via accelerate."""
     if not accelerator.is_main_process:
         return
-    out = Path(recipe.output_dir)
-    write_run_info(out, recipe, accelerator.num_processes, extra)
-    flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in _flatten(recipe.to_dict()).items()}
-    name = recipe.tracking.run_name or out.name
-    accelerator.init_trackers(recipe.tracking.project, config=flat, init_kwargs={"wandb": {"name": name}})
+    from spectrain.tracking import init_trackers
+
+    write_run_info(Path(recipe.output_dir), recipe, accelerator.num_processes, extra)
+    init_trackers(accelerator, recipe, extra, resumed=bool(extra.get("resumed_at_step")))
 
 
 def append_metrics(accelerator, path: Path, rec: dict) -> None:
@@ -151,15 +150,9 @@ def append_metrics(accelerator, path: Path, rec: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")
     if accelerator.trackers:
-        accelerator.log({k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"},
-                        step=rec["step"])
+        from spectrain.tracking import log_record
 
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
+        log_record(accelerator, rec)  # train/... and eval/... metrics; bookkeeping into the run config
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

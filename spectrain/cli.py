@@ -1,69 +1,128 @@
-"""`spectrain ...` / `python -m spectrain ...`: thin dispatch to the modules that do the work."""
+"""`spectrain COMMAND ...` / `python -m spectrain COMMAND ...`: thin dispatch to the modules that do the work.
+
+Only the command being run is imported (torch, transformers and the drafters load lazily), so
+`spectrain --help` and `spectrain --version` answer at once. Recipe commands take `a.b=value`
+overrides anywhere after the recipe, between or after their options. Exit status: 0 done,
+2 bad input (usage errors, invalid recipes, missing files: one line naming the fix), 1 a runtime failure.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import sys
+
+# name -> (one-line help, "module:function" adding the command's options or None, takes a recipe)
+COMMANDS: dict[str, tuple[str, str | None, bool]] = {
+    "check": ("validate a recipe, load target config/tokenizer/data sample, print it", None, True),
+    "train": ("train the recipe's drafter (one process, or --nproc N through accelerate launch)",
+              "spectrain.launch:add_launch_args", True),
+    "prepare-features": ("write the offline target-feature cache for a recipe", None, True),
+    "regenerate": ("answer the recipe's prompts with the frozen target (self-distillation data as JSONL)",
+                   "spectrain.regenerate:add_regenerate_args", True),
+    "eval": ("lossless speculative decoding over prompt sets + report", "spectrain.evaluate:add_eval_args", False),
+    "export": ("write a serving-format directory (vLLM, SGLang, TensorRT-LLM, HF draft) and validate it",
+               "spectrain.export:add_export_args", False),
+    "recipes": ("list the shipped recipes and accelerate configs, one line each", None, False),
+}
+RECIPE_HELP = "a recipe file, or the name of a shipped recipe (e.g. tiny/eagle3; see `spectrain recipes`)"
 
 
-def _recipe_cmd(sub, name: str, help: str):
-    p = sub.add_parser(name, help=help)
-    p.add_argument("recipe", help="path to a YAML recipe (see recipes/)")
-    p.add_argument("overrides", nargs="*", help="typed overrides, e.g. training.lr=1e-4")
+def _version() -> str:
+    from spectrain import __version__
+
+    return f"spectrain {__version__}"
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    width = max(map(len, COMMANDS))
+    epilog = "commands:\n" + "\n".join(f"  {n:<{width}}  {h}" for n, (h, _, _) in COMMANDS.items())
+    p = argparse.ArgumentParser(prog="spectrain", usage="spectrain [-h] [--version] COMMAND [ARGS ...]",
+                                description=__doc__.split("\n\n")[0], epilog=epilog + "\n\n`spectrain COMMAND "
+                                "--help` shows a command's options.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=_version())
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spectrain", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _recipe_cmd(sub, "check", "validate a recipe, load target config/tokenizer/data sample, print it")
-    _recipe_cmd(sub, "train", "train the recipe's drafter (single process or under accelerate launch)")
-    _recipe_cmd(sub, "prepare-features", "write the offline target-feature cache for a recipe")
-    from spectrain.regenerate import add_regenerate_args
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The full parser of one command (imports only that command's module)."""
+    help_text, adder, takes_recipe = COMMANDS[name]
+    p = argparse.ArgumentParser(prog=f"spectrain {name}", description=help_text, epilog=(
+        "a.b=value: typed recipe overrides (e.g. training.lr=1e-4), anywhere after the recipe" if takes_recipe
+        else None))
+    if takes_recipe:
+        p.add_argument("recipe", help=RECIPE_HELP)
+    if adder:
+        module, func = adder.split(":")
+        getattr(importlib.import_module(module), func)(p)
+    return p
 
-    add_regenerate_args(_recipe_cmd(sub, "regenerate", "answer the recipe's prompts with the frozen target "
-                                    "(self-distillation data as JSONL)"))
-    from spectrain.evaluate import add_eval_args
 
-    add_eval_args(sub.add_parser("eval", help="lossless speculative decoding over prompt sets + report"))
-    from spectrain.export import add_export_args
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Two stages: the command name, then that command's own parser. Usage errors exit with status 2."""
+    top = _top_parser()
+    if not argv or argv[0].startswith("-"):
+        top.parse_args(argv)  # --help / --version exit here
+        top.error("a COMMAND is required")
+    if argv[0] not in COMMANDS:
+        top.error(f"unknown command {argv[0]!r}: choose from {', '.join(COMMANDS)}")
+    parser = command_parser(argv[0])
+    args, extra = parser.parse_known_args(argv[1:])
+    if COMMANDS[argv[0]][2]:
+        # a.b=value tokens may sit anywhere after the recipe (between or after the options)
+        args.overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+        extra = [a for a in extra if a not in args.overrides]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.command = argv[0]
+    return args
 
-    add_export_args(sub.add_parser("export", help="write a serving-format directory (vLLM, SGLang, TensorRT-LLM, "
-                                   "HF draft) and validate it"))
-    return parser
+
+def list_recipes() -> int:
+    from spectrain.resources import accelerate_configs, recipe_summary, shipped_recipes
+
+    def show(title: str, items: dict) -> None:
+        print(title)
+        width = max(map(len, items), default=0)
+        for name, path in items.items():
+            print(f"  {name:<{width}}  {recipe_summary(path)}")
+
+    show("recipes (spectrain train|check|prepare-features NAME):", shipped_recipes())
+    show("accelerate configs (spectrain train RECIPE --accelerate-config NAME):", accelerate_configs())
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    cmd = args.command
+    if cmd == "recipes":
+        return list_recipes()
+    if cmd == "check":
+        from spectrain.recipe import check_main
+
+        return check_main(args.recipe, args.overrides)
+    if cmd == "train":
+        from spectrain.launch import train_command
+
+        return train_command(args)
+    if cmd == "prepare-features":
+        from spectrain.features import main as features_main
+
+        return features_main(args.recipe, args.overrides)
+    module = {"regenerate": "spectrain.regenerate", "eval": "spectrain.evaluate", "export": "spectrain.export"}[cmd]
+    return importlib.import_module(module).main(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        if args.command == "check":
-            from spectrain.recipe import check_main
-
-            return check_main(args.recipe, args.overrides)
-        if args.command == "train":
-            from spectrain.train import main as train_main
-
-            return train_main(args.recipe, args.overrides)
-        if args.command == "prepare-features":
-            from spectrain.features import main as features_main
-
-            return features_main(args.recipe, args.overrides)
-        if args.command == "regenerate":
-            from spectrain.regenerate import main as regenerate_main
-
-            return regenerate_main(args)
-        if args.command == "eval":
-            from spectrain.evaluate import main as eval_main
-
-            return eval_main(args)
-        if args.command == "export":
-            from spectrain.export import main as export_main
-
-            return export_main(args)
+        args = parse(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2)
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return _run(args)
     except BaseException as e:  # one line + exit 2 for bad input; traceback only with SPECTRAIN_DEBUG=1
         from spectrain.errors import report
 
         return report(args.command, e)
-    return 1
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ counted target pass emits >= 1 token and plain decoding has tau = 1 exactly.
 Acceptance rules (greedy, and exact sampling with residuals): spectrain/acceptance.py.
 
 Batches: ``input_ids`` may be 1-D (one prompt -> ``SpecOutput``) or 2-D / a list of lists (-> a list of
-``SpecOutput``, one per row, processed one row after another with one shared random generator; padding
-is removed with ``attention_mask`` when given). Aggregate with ``DecodeStats.merge``.
+``SpecOutput``, one per row, with one shared random generator; padding is removed with
+``attention_mask`` when given). By default rows are decoded one after another; ``batch_size=B``
+decodes B rows at once with one target pass per step for all of them (spectrain/batched.py), each
+row's output exactly what batch size 1 gives. Aggregate with ``DecodeStats.merge``.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ def speculative_generate(
     eos_token_id: int | list[int] | None = None,
     tree: dict | None = None,
     attention_mask=None,
+    batch_size: int | None = None,
 ) -> SpecOutput | list[SpecOutput]:
     """Generate with ``drafter`` proposing and ``target`` verifying; the output is distributed exactly
     as the target's own decoding (identical tokens when greedy).
@@ -130,6 +133,7 @@ def speculative_generate(
     options handed to the drafter (``DraftContext.tree``, e.g. ``{"topk": 4}``); the drafter must
     support trees. ``eos_token_id``: None = the target's generation_config / config / tokenizer eos;
     ``[]`` = never stop early. ``drafter=None`` is plain decoding (see ``plain_generate``).
+    ``batch_size``: None = rows one after another; B = B rows per target pass (spectrain/batched.py).
     """
     check_generate_args(target, drafter, input_ids, k, tree, temperature, top_p, top_k)
     if drafter is None:
@@ -151,17 +155,22 @@ def speculative_generate(
                 f"prompt {i} has {len(row)} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
                 f"target's context window of {limit} positions: shorten the prompt or lower max_new_tokens")
     eos = _resolve_eos(target, eos_token_id)
-    outs = [_generate_one(target, drafter, row, max_new_tokens, k, sampler, eos, tree) for row in rows]
+    if batch_size is not None:
+        from spectrain.batched import generate_batched
+
+        outs = generate_batched(target, drafter, rows, max_new_tokens, k, sampler, eos, tree, batch_size)
+    else:
+        outs = [_generate_one(target, drafter, row, max_new_tokens, k, sampler, eos, tree) for row in rows]
     return outs if batched else outs[0]
 
 
 def plain_generate(target, input_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                    top_k: int = 0, seed: int = 0, eos_token_id: int | list[int] | None = None,
-                   attention_mask=None) -> SpecOutput | list[SpecOutput]:
-    """The plain target baseline: the same loop and cache, one token per pass (tau = 1)."""
+                   attention_mask=None, batch_size: int | None = None) -> SpecOutput | list[SpecOutput]:
+    """The plain target baseline: the same loop, batching and cache, one token per pass (tau = 1)."""
     return speculative_generate(target, None, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, seed=seed, eos_token_id=eos_token_id,
-                                attention_mask=attention_mask)
+                                attention_mask=attention_mask, batch_size=batch_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,24 +272,14 @@ def _generate_one(target, drafter, prompt: list[int], max_new: int, k: int, samp
             stats.draft_time_s += _now(dev) - t0
         t0 = _now(dev)
         path, new, outcomes, out = _verify(target, cache, tokens, proposal, sampler, aux_layers, want_final)
-        # Stop at eos inside the accepted drafts: later positions are neither emitted nor counted.
-        cut = min(len(new), max_new - len(emitted))
-        for j, t in enumerate(new[:cut]):
-            if t in eos:
-                cut, stop = j + 1, "eos"
-                break
-        new = new[:cut]
-        if cut <= len(path):
-            path, outcomes = path[:cut], outcomes[:cut]
+        path, new, outcomes, eos_hit = _cut(path, new, outcomes, max_new - len(emitted), eos)
+        stop = eos_hit or stop
         P = len(tokens) - 1
         _rollback(cache, P + 1, path)
         if want_feats:
             pending.append(_features(out, P, [0] + [1 + i for i in path]))
         stats.target_time_s += _now(dev) - t0
-        stats.target_passes += 1
-        stats.drafted += len(proposal) if proposal is not None else 0
-        stats.record(outcomes)
-        stats.emitted += len(new)
+        _record_step(stats, proposal, outcomes, new)
         tokens.extend(new)
         emitted.extend(new)
         if proposal is not None:
@@ -291,6 +290,26 @@ def _generate_one(target, drafter, prompt: list[int], max_new: int, k: int, samp
             break
     stats.wall_time_s = _now(dev) - t_start
     return SpecOutput(tokens=emitted, stats=stats, stop_reason=stop)
+
+
+def _cut(path, new, outcomes, room: int, eos: set[int]):
+    """Stop at eos inside the accepted tokens and at the token budget; later positions are neither
+    emitted nor counted. Returns (path, new, outcomes, "eos" or None)."""
+    cut, stop = min(len(new), room), None
+    for j, t in enumerate(new[:cut]):
+        if t in eos:
+            cut, stop = j + 1, "eos"
+            break
+    if cut <= len(path):
+        path, outcomes = path[:cut], outcomes[:cut]
+    return path, new[:cut], outcomes, stop
+
+
+def _record_step(stats: DecodeStats, proposal, outcomes: list[bool], new: list[int]) -> None:
+    stats.target_passes += 1
+    stats.drafted += len(proposal) if proposal is not None else 0
+    stats.record(outcomes)
+    stats.emitted += len(new)
 
 
 def _clip(proposal: Proposal, depth_limit: int, vocab: int) -> tuple[Proposal | None, list[int]]:
@@ -373,14 +392,20 @@ def _tree_mask(target, parents: list[int], P: int, pos: torch.Tensor) -> torch.T
     if window is not None:
         kpos = torch.cat([torch.arange(P, device=dev), pos])
         mask &= (pos[:, None] - kpos[None, :]) < window
+    return _as_attn_mask(target, mask[None, None])
+
+
+def _as_attn_mask(target, mask: torch.Tensor) -> torch.Tensor:
+    """A 4-D bool mask (True = attend) in the form the target's attention implementation takes."""
     impl = getattr(target.config, "_attn_implementation", "sdpa")
     if impl == "sdpa" or impl is None:
-        return mask[None, None]
+        return mask
     if impl == "eager":  # eager adds the mask to the scores
-        zero = torch.zeros((), dtype=target.dtype, device=dev)
-        return torch.where(mask, zero, torch.finfo(target.dtype).min)[None, None]
-    raise ValueError(f"tree verification needs a custom attention mask, which attn_implementation={impl!r} "
-                     "does not take; load the target with attn_implementation='sdpa' or use chain drafts")
+        zero = torch.zeros((), dtype=target.dtype, device=mask.device)
+        return torch.where(mask, zero, torch.finfo(target.dtype).min)
+    raise ValueError(f"tree verification and batched decoding need a custom attention mask, which "
+                     f"attn_implementation={impl!r} does not take; load the target with attn_implementation='sdpa' "
+                     "(or use chain drafts with batch_size=None)")
 
 
 def _uniform_sliding_window(config, length: int) -> int | None:
@@ -422,10 +447,11 @@ def _rollback(cache, keep_prefix: int, path: list[int]) -> None:
             layer.cumulative_length = layer.keys.shape[-2]
 
 
-def _features(out, start: int, rows: list[int]) -> TargetFeatures:
+def _features(out, start: int, rows: list[int], b: int = 0) -> TargetFeatures:
+    """Feature rows `rows` (query indices) of batch row `b` of a target output."""
     idx = torch.tensor(rows, device=(out.aux_hidden[0] if out.aux_hidden else out.final_hidden).device)
-    aux = torch.cat([h[0] for h in out.aux_hidden], dim=-1).index_select(0, idx) if out.aux_hidden else None
-    final = out.final_hidden[0].index_select(0, idx) if out.final_hidden is not None else None
+    aux = torch.cat([h[b] for h in out.aux_hidden], dim=-1).index_select(0, idx) if out.aux_hidden else None
+    final = out.final_hidden[b].index_select(0, idx) if out.final_hidden is not None else None
     return TargetFeatures(start=start, aux=aux, final_hidden=final)
 
 

@@ -35,6 +35,26 @@ def check_trackers(recipe) -> list[str]:
     return trackers
 
 
+def resolve_num_threads(requested: int = 0) -> int:
+    """torch CPU threads for this process: the recipe's ``training.num_threads``, else
+    $SPECTRAIN_NUM_THREADS, else $OMP_NUM_THREADS, else the cores this process may run on (its CPU
+    affinity, which containers and `taskset` narrow) split over the ranks on this node. torch's own
+    default counts every core of the host, which oversubscribes a shared or multi-rank machine."""
+    if requested > 0:
+        return requested
+    for var in ("SPECTRAIN_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(var, "").strip()
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"${var}={value!r}: expected a positive integer number of threads")
+            return int(value)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS / Windows: no affinity API
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 def make_accelerator(recipe):
     from accelerate import Accelerator
 
@@ -64,6 +84,10 @@ def make_accelerator(recipe):
                          f"{acc.num_processes} ({acc.distributed_type}); on CPU set ACCELERATE_USE_CPU=1, or "
                          "launch with a matching recipes/accelerate config")
     _fill_deepspeed_config(acc, recipe.training)
+    if not acc.is_main_process:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one "Loading weights" bar per run, not one per rank
     return acc
 
 

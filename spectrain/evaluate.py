@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-PROMPTS_DIR = Path(__file__).resolve().parents[1] / "eval" / "prompts"
+from spectrain.resources import prompts_dir
+
+PROMPTS_DIR = prompts_dir()  # eval/prompts/ of the checkout, or the copy inside the installed wheel
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 DEFAULT_OOD_SETS = [f"spec_bench/{c}" for c in SPEC_BENCH_CATEGORIES] + ["humaneval"]
 
@@ -249,13 +251,18 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                "unless --force")
     p.add_argument("--force", action="store_true", help="replace an existing --out whole once the new report is "
                                                         "written (never mixed with its old files)")
-    p.add_argument("--report-to", choices=["none", "wandb"], default="none",
-                   help="also log curves and tables to wandb (WANDB_MODE=offline works without network)")
-    p.add_argument("--wandb-project", default="spectrain", help="wandb project name")
+    p.add_argument("--report-to", choices=["none", "wandb", "tensorboard"], action="append", default=None,
+                   help="also log one scalar per (drafter, decode, prompt set), curves and tables to wandb "
+                        "(WANDB_MODE=offline works without network) or tensorboard; repeatable")
+    p.add_argument("--wandb-project", default=None,
+                   help="wandb project (default: the evaluated training run's, else spectrain)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--device-map", default=None, choices=["auto", "balanced", "balanced_low_0", "sequential"],
                    help="spread a target too large for one GPU over all visible GPUs (HF device_map)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    from spectrain.sweep import add_sweep_args
+
+    add_sweep_args(p)  # --batch-size (repeatable), --gpu, --gpu-bandwidth, --gpu-flops
     return p
 
 
@@ -295,6 +302,9 @@ def validate_args(args) -> None:
         if not ok:
             raise ValueError(msg)
     args.tree = [parse_tree(t) for t in args.tree]
+    from spectrain.sweep import validate_sweep_args
+
+    validate_sweep_args(args)
     check_out(args)
 
 
@@ -412,16 +422,21 @@ def main(args) -> int:
         for cfg in cfgs:
             for ps in sets:
                 cell = cells[(d, cfg.label, ps.name)]
-                cell["stats"] = DecodeStats.merge(cell["stats"])
+                cell["prompt_stats"], cell["stats"] = cell["stats"], DecodeStats.merge(cell["stats"])
                 records.append(report.make_record(d, cfg, ps, cell, baselines[(cfg.temperature, ps.name)],
                                                   args.cost_ratio))
     meta = report.run_metadata(args, target_name, target, sets, baselines)
     from spectrain.outputs import staged_dir
+    from spectrain.sweep import batch_sweep
 
+    sweep = batch_sweep(target, drafters, plan, encoded, args) if getattr(args, "batch_size", None) else None
     with staged_dir(args.out) as tmp:  # lands whole or not at all; --force replaces, never mixes
-        paths = report.write_all(tmp, meta, records, report_to=args.report_to, wandb_project=args.wandb_project)
+        paths = report.write_all(tmp, meta, records, report_to=args.report_to, wandb_project=args.wandb_project,
+                                 batch_sweep=sweep)
     paths = [args.out / p.relative_to(tmp) for p in paths]
     print(report.summary_table(records, meta))
+    if sweep is not None:
+        print("\n".join(report.sweep_markdown(sweep)))
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 

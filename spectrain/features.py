@@ -111,7 +111,8 @@ def _pad_id(target) -> int:
 
 
 @torch.no_grad()
-def _compute_shard(target, rows, aux_layers: list[int], dtype: str, batch_size: int) -> dict[str, torch.Tensor]:
+def _compute_shard(target, rows, aux_layers: list[int], dtype: str, batch_size: int,
+                   progress: Callable[[int, int], None] = lambda rows, tokens: None) -> dict[str, torch.Tensor]:
     from spectrain.data import collate
 
     ids, masks, aux, last = [], [], [], []
@@ -127,6 +128,7 @@ def _compute_shard(target, rows, aux_layers: list[int], dtype: str, batch_size: 
             last.append(out.last_hidden[j, :n].cpu())
             if aux_layers:
                 aux.append(torch.cat([h[j, :n] for h in out.aux_hidden], -1).cpu())
+        progress(len(part), sum(len(r["input_ids"]) for r in part))
     lengths = torch.tensor([len(x) for x in ids])
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     keep = torch.bfloat16 if dtype == "fp8" else STORE_DTYPES[dtype]  # fp8 applies to aux only
@@ -167,8 +169,8 @@ def _reusable(out: Path, name: str, known: dict, a: int, b: int) -> dict | None:
 
 
 def _write_shard(target, out: Path, name: str, split: str, rows, a: int, b: int, lengths: list[int],
-                 aux_layers: list[int], dtype: str, batch_size: int) -> dict:
-    tensors = _compute_shard(target, [rows[i] for i in range(a, b)], aux_layers, dtype, batch_size)
+                 aux_layers: list[int], dtype: str, batch_size: int, progress=lambda rows, tokens: None) -> dict:
+    tensors = _compute_shard(target, [rows[i] for i in range(a, b)], aux_layers, dtype, batch_size, progress)
     path = out / name
     tmp = out / f"{name}.tmp{os.getpid()}"
     with writing(tmp, name=path):  # a failed write (disk full) leaves no half shard; finished ones stay (resume)
@@ -225,18 +227,25 @@ def write_feature_cache(target, splits: dict, out_dir, aux_layers: list[int], dt
         manifest["splits"][split] = entry
         bounds = _shard_bounds(lengths, budget)
         names = [f"{split}-{j:05d}.safetensors" for j in range(len(bounds))]
-        for j in range(rank, len(bounds), world):
+        mine = range(rank, len(bounds), world)
+        from spectrain.progress import Progress
+
+        who = f" (rank 0 of {world}, every {world}th shard)" if world > 1 else ""
+        bar = Progress(sum(sum(lengths[a:b]) for a, b in (bounds[j] for j in mine)), "tok", f"features {split}{who}",
+                       enabled=verbose and rank == 0, total_rows=sum(bounds[j][1] - bounds[j][0] for j in mine))
+        for j in mine:
             a, b = bounds[j]
             s = _reusable(out, names[j], known, a, b)
             stats["skipped" if s else "written"] += 1
             if s is None:
-                s = _write_shard(target, out, names[j], split, rows, a, b, lengths, aux_layers, dtype, batch_size)
-                if verbose:
-                    print(f"features: rank {rank}: {split} shard {j} rows {a}..{b - 1} written "
-                          f"({s['bytes'] / 2**20:.1f} MiB)")
+                s = _write_shard(target, out, names[j], split, rows, a, b, lengths, aux_layers, dtype, batch_size,
+                                 bar.advance)
+            else:
+                bar.advance(b - a, sum(lengths[a:b]))
             entry["shards"].append(s)
             if world == 1:
                 _write_manifest(out, manifest)  # after every shard: an interrupted run resumes from here
+        bar.close()
         barrier()
         entry["shards"], entry["complete"] = _collect_entries(out, names), True
         if rank == 0:

@@ -7,8 +7,10 @@
 - ``a.b.c=value`` overrides are converted to the field's annotated type (int, float, bool, str,
   list[int], list[str], Literal choices) and then validated exactly like values from the file.
 - The global batch size is what a recipe states; gradient accumulation is derived from it.
-- Relative paths in a recipe (target, data files, cache and output dirs) are resolved against the
-  current working directory, not the recipe file: run spectrain from the repository root.
+- A recipe is a file path or the name of a shipped recipe (``tiny/eagle3``; spectrain/resources.py).
+  Relative paths in a user's recipe (target, data files, cache and output dirs) are resolved against
+  the current working directory, not the recipe file; in a shipped recipe the input paths (target,
+  data files, draft model) point into the installed package, outputs stay in the current directory.
 """
 
 from __future__ import annotations
@@ -61,6 +63,22 @@ class Eagle3Config:
     ttt_decay: float = 0.8
     intermediate_size: int = 0  # 0 = the target's
     num_attention_heads: int = 0  # 0 = the target's
+    # layer layout (speculators' names; all false = the original EAGLE-3 layer, see drafters/eagle3.py)
+    norm_before_fc: bool = False  # RMSNorm over the concatenated aux states before fc
+    fc_norm: bool = False  # one RMSNorm per aux state before fc (exclusive with norm_before_fc)
+    norm_before_residual: bool = False  # layer 0's residual = hidden_norm(hidden)
+    norm_output: bool = False  # feed the final norm's output to the next step
+    sliding_window: int = 0  # > 0: every draft layer attends to anchors within this window (speculators' default 2048)
+    init_from: str = ""  # a head dir to fine-tune (spectrain, speculators/vLLM or EAGLE/SGLang format)
+    # target: lm_head = the target's lm_head rows of the draft vocabulary (target_with_norm: also the
+    # final norm's weight from the target's final norm); random: normal(0, 0.02)
+    lm_head_init: Literal["random", "target", "target_with_norm"] = "random"
+    freeze_lm_head: bool = False
+    # which TTT positions carry loss: "predicted" = the predicted token is an assistant token;
+    # "input" = the step's input token is (the speculators rule)
+    loss_positions: Literal["predicted", "input"] = "predicted"
+    # positions whose target argmax lies outside the draft vocab: "mask" = no loss there, "keep" = trained
+    out_of_vocab: Literal["mask", "keep"] = "mask"
 
 
 @dataclass
@@ -112,6 +130,9 @@ class TrainingConfig:
     feature_cache: str = ""
     max_nan_steps: int = 10
     num_workers: int = 0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    num_threads: int = 0  # torch CPU threads; 0 = $SPECTRAIN_NUM_THREADS, else the cores this process may use
+    packing: bool = False  # pack each micro-batch's rows into one row with document masking (EAGLE-3)
 
     def grad_accum(self, world_size: int = 1) -> int:
         """Micro-steps per optimizer step so that one step sees exactly `global_batch_size` rows."""
@@ -129,7 +150,15 @@ class TrainingConfig:
 class TrackingConfig:
     report_to: list[Tracker] = field(default_factory=lambda: ["jsonl"])
     project: str = "spectrain"
-    run_name: str = ""
+    run_name: str = ""  # "" = the output directory's name (also the wandb group; see spectrain/tracking.py)
+
+
+@dataclass
+class LaunchConfig:
+    """How `spectrain train` starts itself: N processes through `accelerate launch` (0 = one process,
+    unless --nproc says otherwise) and an accelerate config (a shipped name such as zero2, or a path)."""
+    nproc: int = 0
+    accelerate_config: str = ""
 
 
 @dataclass
@@ -139,6 +168,7 @@ class Recipe:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     output_dir: str = "runs/tiny-eagle3"
 
     def to_dict(self) -> dict[str, Any]:
@@ -272,7 +302,12 @@ def validate(r: Recipe) -> Recipe:
     _require(t.grad_clip >= 0, f"training.grad_clip={t.grad_clip} must be >= 0 (0 = off)")
     for k in ("checkpoint_every", "eval_every", "max_nan_steps", "num_workers"):
         _require(getattr(t, k) >= 0, f"training.{k}={getattr(t, k)} must be >= 0")
+    _require(len(t.adam_betas) == 2 and all(0.0 <= b < 1.0 for b in t.adam_betas),
+             f"training.adam_betas={t.adam_betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    _require(t.num_threads >= 0, f"training.num_threads={t.num_threads} must be >= 0 (0 = from the CPU affinity)")
     _require(t.keep_checkpoints >= 1, f"training.keep_checkpoints={t.keep_checkpoints} must be >= 1")
+    _require(not t.packing or dr.kind == "eagle3", f"training.packing=true is implemented for drafter.kind=eagle3 "
+             f"only (got {dr.kind}); set training.packing=false")
     e = dr.eagle3
     _require(all(i >= 0 for i in e.aux_layers) and len(set(e.aux_layers)) == len(e.aux_layers),
              f"drafter.eagle3.aux_layers={e.aux_layers} must be distinct layer ids >= 0 ([] = derive)")
@@ -280,6 +315,10 @@ def validate(r: Recipe) -> Recipe:
              f"drafter.eagle3.aux_layers={e.aux_layers}: give 3 layer ids in ascending order (or [] to derive "
              "them): vLLM, SGLang and TensorRT-LLM build fc for exactly 3 captured layers and feed them in "
              "ascending order, so they refuse (or silently mis-serve) any other head")
+    _require(e.sliding_window >= 0, f"drafter.eagle3.sliding_window={e.sliding_window} must be >= 0 (0 = full attention)")
+    _require(not (e.norm_before_fc and e.fc_norm),
+             "drafter.eagle3.norm_before_fc and fc_norm are exclusive (one norm over the concatenated aux states, or "
+             "one per state): set at most one")
     _require(e.num_layers >= 1, "drafter.eagle3.num_layers must be >= 1")
     _require(e.draft_vocab_size >= 1, "drafter.eagle3.draft_vocab_size must be >= 1")
     _require(e.ttt_steps >= 1, "drafter.eagle3.ttt_steps must be >= 1")
@@ -301,6 +340,7 @@ def validate(r: Recipe) -> Recipe:
     _require(len(set(rt)) == len(rt), f"tracking.report_to={rt} has duplicates")
     _require("none" not in rt or len(rt) == 1, "tracking.report_to: 'none' cannot be combined with other trackers")
     _require(len(r.output_dir) > 0, "output_dir is empty")
+    _require(r.launch.nproc >= 0, f"launch.nproc={r.launch.nproc} must be >= 0 (0 or 1 = one process)")
     return r
 
 
@@ -370,12 +410,13 @@ def recipe_from_dict(raw: dict | None, overrides: list[str] | None = None) -> Re
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Load a YAML recipe, apply typed overrides, validate. Errors name the file and the key."""
-    path = Path(path)
+    """Load a YAML recipe (a file, or a shipped recipe's name such as tiny/eagle3), apply typed overrides,
+    validate. Errors name the file and the key."""
+    from spectrain.resources import anchor_shipped_paths, resolve_recipe
+
+    path, shipped = resolve_recipe(str(path))
     if path.is_dir():
         raise IsADirectoryError(f"recipe {path} is a directory: give a YAML recipe file (e.g. {path}/eagle3.yaml)")
-    if not path.is_file():
-        raise FileNotFoundError(f"recipe not found: {path}")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
@@ -387,6 +428,8 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
                          "an explicit `{}` means all defaults)")
     if raw is not None and not isinstance(raw, dict):
         raise ValueError(f"{path}: a recipe must be a mapping of sections (target:, data:, drafter: ...)")
+    if shipped and raw:
+        raw = anchor_shipped_paths(raw)  # before the overrides: a user's override is relative to the cwd
     try:
         return recipe_from_dict(raw, overrides)
     except ValueError as e:

@@ -268,8 +268,12 @@ def _write_part(target, rows: list[dict], tmp: Path, cfg: RegenConfig, stats: Re
     stats.resumed = sum(done.values())
     if stats.resumed:
         print(f"regenerate: resuming {tmp}: {stats.resumed} rows already done", flush=True)
-    stop, last_log = stop_token_ids(target), time.perf_counter()
-    with open(tmp, "a", encoding="utf-8") as f:
+    from spectrain.progress import Progress
+
+    stop = stop_token_ids(target)
+    bar = Progress(len(rows), "row", "regenerate", enabled=int(os.environ.get("RANK", "0")) == 0,
+                   initial=stats.resumed)  # rank 0's rows; the others go at the same pace
+    with bar.bar, open(tmp, "a", encoding="utf-8") as f:
         for start in range(0, len(rows), cfg.batch_size):
             batch = rows[start:start + cfg.batch_size]
             have = []
@@ -283,9 +287,8 @@ def _write_part(target, rows: list[dict], tmp: Path, cfg: RegenConfig, stats: Re
                     f.write(json.dumps(out, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
-            if time.perf_counter() - last_log > 30:
-                last_log = time.perf_counter()
-                print(f"regenerate: {start + len(batch)}/{len(rows)} rows, {stats.tokens} tokens", flush=True)
+            bar.advance(have.count(False))
+            bar.note(f"{stats.tokens} tokens generated")
 
 
 def _merge(parts: list[Path], rows: list[dict], out: Path, stats: RegenStats) -> None:

@@ -7,13 +7,14 @@ every report):
 from __future__ import annotations
 
 import json
-import os
 import platform
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from spectrain import stats
 
 CONVENTIONS = {
     "alpha_i": "conditional per-position acceptance: of the times draft position i was verified "
@@ -23,6 +24,11 @@ CONVENTIONS = {
     "measured_speedup": "speculative tokens/s divided by plain-target tokens/s, same prompts, same run",
     "predicted_speedup": "tau / (1 + k*c), c = one draft step's cost relative to one target pass "
                          "(k = tree depth for trees)",
+    "95% intervals": "[lo, hi] after tau and alpha_i: percentile bootstrap over prompts (prompts resampled "
+                     "with replacement, the ratio of sums recomputed)",
+    "target loops": "target tokens = the plain target's mean output length on the set; rep-4g = share of its "
+                    "output 4-grams that repeat an earlier 4-gram of the same output; LOOPS flags sets where "
+                    f"rep-4g >= {stats.LOOP_FLAG} (a looping target inflates every drafter's acceptance)",
     "split": "held-out = the recipe's training distribution, never trained on; OOD = another distribution; "
              "in-domain = a public set whose domain the drafter was trained on (user-declared)",
 }
@@ -72,6 +78,12 @@ def make_record(drafter: str, cfg, ps, res: dict, base: dict, cost_ratio: float 
         "c_measured": measured_c,
         "predicted_speedup": None if tau is None or c is None else tau / (1 + cfg.k * c),
     }
+    per = res.get("prompt_stats")  # per-prompt counters -> 95% bootstrap intervals over prompts
+    if per:
+        rec.update(stats.decode_intervals([len(o) for o in res["outputs"]], [int(p.target_passes) for p in per],
+                                          [p.accepts for p in per], [p.attempts for p in per],
+                                          [int(getattr(p, "drafted", 0) or 0) for p in per], cfg.k))
+    rec.update(stats.loop_stats(base["outputs"]))  # the target's own outputs on this set, same T
     rec["measured_speedup"] = (None if not rec["baseline_tokens_per_s"] or rec["tokens_per_s"] is None
                                else rec["tokens_per_s"] / rec["baseline_tokens_per_s"])
     if cfg.temperature == 0:
@@ -129,17 +141,40 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
+def _ci(x, ci, nd: int = 2) -> str:
+    """'1.74 [1.60, 1.90]': a value with its 95% interval (just the value when there is none)."""
+    if x is None or not ci or ci[0] is None:
+        return _f(x, nd)
+    return f"{x:.{nd}f} [{ci[0]:.{nd}f}, {ci[1]:.{nd}f}]"
+
+
+def _loops(r: dict) -> str:
+    share = r.get("target_repeated_4gram_share")
+    return "-" if share is None else f"{_pct(share)}{' LOOPS' if r.get('target_loops_dominate') else ''}"
+
+
+def interval_table(records: list[dict]) -> str:
+    """alpha_i with its 95% interval, one line per record (the summary table has the point values)."""
+    lines = ["| drafter | config | prompt set | tau [95% CI] | alpha_i [95% CI], i = 1..k |", "|---|---|---|---|---|"]
+    for r in records:
+        alphas = "; ".join(_ci(a, c) for a, c in zip(r["alpha"], r.get("alpha_ci") or [None] * len(r["alpha"])))
+        lines.append(f"| {r['drafter']} | {r['config']} | {r['prompt_set']} | {_ci(r['tau'], r.get('tau_ci'))} "
+                     f"| {alphas} |")
+    return "\n".join(lines)
+
+
 def summary_table(records: list[dict], meta: dict) -> str:
-    head = ("| drafter | config | prompt set | split | n (skipped) | tokens | alpha_1..k | tau | acc. rate "
-            "| drafted passes | tok/s | plain tok/s | speedup | c | predicted |")
+    head = ("| drafter | config | prompt set | split | n (skipped) | tokens | alpha_1..k | tau [95% CI] | acc. rate "
+            "| drafted passes | tok/s | plain tok/s | speedup | c | predicted | target tokens | target rep-4g |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         alphas = " ".join(_f(a) for a in r["alpha"])
         lines.append(
             f"| {r['drafter']} | {r['config']} | {r['prompt_set']} | {r['split']} | {r['n_prompts']} "
-            f"({r['n_skipped']}) | {r['emitted_tokens']} | {alphas} | {_f(r['tau'])} | {_f(r['acceptance_rate'])} "
+            f"({r['n_skipped']}) | {r['emitted_tokens']} | {alphas} | {_ci(r['tau'], r.get('tau_ci'))} "
+            f"| {_f(r['acceptance_rate'])} "
             f"| {_pct(r['draft_coverage'])} | {_f(r['tokens_per_s'], 1)} | {_f(r['baseline_tokens_per_s'], 1)} | {_f(r['measured_speedup'])}x "
-            f"| {_f(r['c'], 3)} | {_f(r['predicted_speedup'])}x |")
+            f"| {_f(r['c'], 3)} | {_f(r['predicted_speedup'])}x | {_f(r.get('target_mean_tokens'), 1)} | {_loops(r)} |")
     return "\n".join(lines)
 
 
@@ -153,7 +188,8 @@ def write_markdown(path: Path, meta: dict, records: list[dict], plots: list[Path
     md += [f"- **{k}**: {v}" for k, v in CONVENTIONS.items()]
     md += [f"- **c** here: {c_note}",
            "- **drafted passes**: target passes on which the drafter proposed >= 1 token; tau = 1 + accepted "
-           "tokens / passes, so passes without a draft pull tau below 1 + sum_i prod_j<=i alpha_j", "", "## Results", "", summary_table(records, meta), ""]
+           "tokens / passes, so passes without a draft pull tau below 1 + sum_i prod_j<=i alpha_j", "", "## Results", "", summary_table(records, meta), "",
+           "### 95% intervals (bootstrap over prompts)", "", interval_table(records), ""]
     greedy = [r for r in records if "greedy_identical_to_plain" in r]
     if greedy:
         md += ["Greedy losslessness check (speculative output == plain greedy output, per prompt): "
@@ -186,6 +222,15 @@ def _groups(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return out
 
 
+def _yerr(ys: list[float], cis) -> list[list[float]] | None:
+    """matplotlib yerr [[below...], [above...]] from [lo, hi] intervals (0 where there is none)."""
+    if not cis or all(c is None or c[0] is None for c in cis):
+        return None
+    ok = [c is not None and c[0] is not None and y == y for y, c in zip(ys, cis)]
+    return [[max(0.0, y - c[0]) if o else 0.0 for y, c, o in zip(ys, cis, ok)],
+            [max(0.0, c[1] - y) if o else 0.0 for y, c, o in zip(ys, cis, ok)]]
+
+
 def plot_acceptance(out_dir: Path, records: list[dict], target: str) -> list[Path]:
     """alpha_i vs draft position, one line per prompt set; held-out solid, OOD dashed."""
     import matplotlib
@@ -201,13 +246,17 @@ def plot_acceptance(out_dir: Path, records: list[dict], target: str) -> list[Pat
         for i, r in enumerate(recs):
             ls, marker = SPLIT_STYLE.get(r["split"], ("--", "^"))
             ys = [float("nan") if a is None else a for a in r["alpha"]]
+            err = _yerr(ys, r.get("alpha_ci"))
+            if err is not None:  # the 95% interval of each alpha_i
+                ax.errorbar(range(1, len(ys) + 1), ys, yerr=err, ls="none", color=colors(i % 10), capsize=2, lw=0.8)
             ax.plot(range(1, len(ys) + 1), ys, ls=ls, marker=marker, color=colors(i % 10), lw=2 if
-                    r["split"] == "held-out" else 1.5, label=f"{r['prompt_set']} [{r['split']}] tau={_f(r['tau'])}, "
+                    r["split"] == "held-out" else 1.5, label=f"{r['prompt_set']} [{r['split']}] tau={_ci(r['tau'], r.get('tau_ci'))}, "
                     f"n_i={'/'.join(map(str, r['attempts']))}")
         ax.set(xlabel="draft position i", ylabel="alpha_i (conditional acceptance)", ylim=(-0.02, 1.05),
                xticks=range(1, kmax + 1), title=f"{Path(drafter).name or drafter} · {config}\ntarget {target}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), title="solid: held-out, dashed: OOD; n_i = times position i was verified",
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), title="solid: held-out, dashed: OOD; n_i = times position i was verified;\n"
+                  "error bars: 95% bootstrap intervals over prompts",
                   title_fontsize=7)
         fig.tight_layout()
         p = out_dir / f"acceptance_{_slug(drafter)}_{_slug(config)}.png"
@@ -239,7 +288,8 @@ def plot_tau(out_dir: Path, records: list[dict], target: str) -> Path:
                 continue
             xpos = x - 0.4 + width * (g + 0.5)
             ax.bar(xpos, r["tau"], width, color=colors(g % 10), edgecolor="black", lw=0.5,
-                   hatch="//" if r["split"] == "OOD" else (".." if r["split"] == "in-domain" else None))
+                   hatch="//" if r["split"] == "OOD" else (".." if r["split"] == "in-domain" else None),
+                   yerr=_yerr([r["tau"]], [r.get("tau_ci")]), capsize=2, error_kw={"lw": 0.8})
             ax.text(xpos, r["tau"], f"{r['tau']:.2f}", ha="center", va="bottom", fontsize=6)
     ax.axhline(1.0, color="gray", ls=":", lw=1)
     ax.set_xticks(range(len(sets)), sets, rotation=30, ha="right", fontsize=8)
@@ -257,49 +307,107 @@ def plot_tau(out_dir: Path, records: list[dict], target: str) -> Path:
     return p
 
 
-# ---- wandb + all ------------------------------------------------------------------------------------------------
+# ---- batch-size sweep (spectrain/sweep.py) -----------------------------------------------------------------
 
 
-def log_wandb(out_dir: Path, meta: dict, records: list[dict], plots: list[Path], project: str) -> None:
-    """The same curves as wandb line plots, the records as a table. WANDB_MODE=offline works."""
-    try:
-        import wandb
-    except ImportError:
-        raise ValueError("--report-to wandb needs the wandb package: pip install 'spectrain[wandb]'") from None
-    # WANDB_DIR, when set, wins; otherwise the run's files live next to the report.
-    run = wandb.init(project=project, dir=os.environ.get("WANDB_DIR") or str(out_dir), name=out_dir.name,
-                     config=meta, job_type="eval")
-    try:
-        for (drafter, config), recs in _groups(records).items():
-            keep = [r for r in recs if any(a is not None for a in r["alpha"])]
-            if keep:
-                xs = [[i + 1 for i, a in enumerate(r["alpha"]) if a is not None] for r in keep]
-                ys = [[a for a in r["alpha"] if a is not None] for r in keep]
-                run.log({f"acceptance/{_slug(drafter)}/{_slug(config)}": wandb.plot.line_series(
-                    xs=xs, ys=ys, keys=[f"{r['prompt_set']} [{r['split']}]" for r in keep],
-                    title=f"alpha_i vs position: {drafter} {config}", xname="draft position i")})
-        cols = ["drafter", "config", "prompt_set", "split", "n_prompts", "n_skipped", "emitted_tokens", "tau",
-                "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "measured_speedup", "c",
-                "predicted_speedup", "alpha"]
-        table = wandb.Table(columns=cols, data=[[json.dumps(r[c]) if c == "alpha" else r[c] for c in cols]
-                                                for r in records])
-        run.log({"eval/report": table,
-                 "eval/tau": wandb.plot.bar(
-                     wandb.Table(columns=["cell", "tau"], data=[[f"{r['drafter']} {r['config']} {r['prompt_set']}",
-                                                                 r["tau"]] for r in records]),
-                     "cell", "tau", title="tau per prompt set"),
-                 **{f"plots/{p.stem}": wandb.Image(str(p)) for p in plots}})
-    finally:
-        run.finish()
+def sweep_markdown(sw: dict) -> list[str]:
+    """The throughput-vs-batch-size table, the crossovers, and what the prediction assumed."""
+    dep, cpu = sw.get("deployment", {}), sw.get("cpu_peaks", {})
+    md = ["## Batch size: throughput and the crossover", "",
+          f"{sw['rows']} rows ({sw['distinct_prompts']} distinct prompts), {sw['max_new_tokens']} new tokens each, the "
+          "same rows at every batch size; plain = the target alone in the same batched loop. tok/s = tokens over "
+          "the whole batch per second; latency = mean per-row seconds from the start of its batch to its last "
+          "token. **predicted** = roofline model (README: Batched decoding and the crossover), on this machine "
+          f"({cpu.get('name', '-')}: {_f(cpu.get('bandwidth_GBps'), 1)} GB/s, {_f(cpu.get('TFLOPs'), 3)} TFLOP/s) "
+          f"and for a deployment of this target in bf16 on {dep.get('name', '-')} "
+          f"({_f(dep.get('bandwidth_GBps'), 0)} GB/s, {_f(dep.get('TFLOPs'), 0)} TFLOP/s).", "",
+          "| drafter | config | B | plain tok/s | spec tok/s | **speedup** | latency plain / spec (s) | tau "
+          "| predicted, this CPU | predicted, deployment | greedy == plain |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in sw["cells"]:
+        md.append(f"| {c['drafter']} | {c['config']} | {c['batch_size']} | {_f(c['plain_tokens_per_s'], 1)} "
+                  f"| {_f(c['tokens_per_s'], 1)} | **{_f(c['speedup'])}x** | {_f(c['plain_latency_s'])} / "
+                  f"{_f(c['latency_s'])} | {_f(c['tau'])} | {_f(c.get('predicted_cpu'))}x "
+                  f"| {_f(c.get('predicted_deployment'))}x | {c.get('greedy_identical_to_plain', '-')} |")
+    md += ["", "| drafter | config | crossover, measured | predicted, this CPU | predicted, deployment |",
+           "|---|---|---|---|---|"]
+
+    def where(b):
+        return "none in range" if b is None else f"B = {b}"
+
+    for x in sw.get("crossover", []):
+        md.append(f"| {x['drafter']} | {x['config']} | {where(x['measured'])} | {where(x['predicted_cpu'])} "
+                  f"| {where(x.get('predicted_deployment'))} |")
+    md += ["", "Crossover = the largest batch size whose speculative throughput still beats plain decoding "
+           f"(measured over B = {', '.join(map(str, sw['batch_sizes']))}; the deployment prediction over B = 1..512)."]
+    return md
 
 
-def write_all(out_dir: Path, meta: dict, records: list[dict], report_to: str = "none",
-              wandb_project: str = "spectrain") -> list[Path]:
+def plot_batch_sweep(out_dir: Path, sw: dict, target: str) -> Path:
+    """Throughput and speedup vs batch size; one colour per drafter setting, chains solid, trees dashed;
+    predictions dotted (this CPU) and dash-dotted (deployment, right panel)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4), dpi=120)
+    colors = plt.get_cmap("tab10")
+    keys = list(dict.fromkeys((c["drafter"], c["config"]) for c in sw["cells"]))
+    plain_done = set()
+    for i, key in enumerate(keys):
+        cs = [c for c in sw["cells"] if (c["drafter"], c["config"]) == key]
+        bs, ls = [c["batch_size"] for c in cs], "--" if cs[0]["tree"] else "-"
+        name = f"{Path(key[0]).name or key[0]} · {key[1]}"
+        axes[0].plot(bs, [c["tokens_per_s"] for c in cs], ls=ls, marker="o", color=colors(i % 10), label=name)
+        if cs[0]["temperature"] not in plain_done:
+            plain_done.add(cs[0]["temperature"])
+            axes[0].plot(bs, [c["plain_tokens_per_s"] for c in cs], color="black", marker="s", lw=2,
+                         ls=":" if cs[0]["temperature"] else "-", label=f"plain T={cs[0]['temperature']:g}")
+        axes[1].plot(bs, [c["speedup"] for c in cs], ls=ls, marker="o", color=colors(i % 10), label=f"{name} measured")
+        axes[1].plot(bs, [c.get("predicted_cpu") for c in cs], ls=":", color=colors(i % 10), label="predicted (CPU)")
+        curve = next((x.get("deployment_curve") for x in sw.get("crossover", []) if (x["drafter"], x["config"]) == key),
+                     None)
+        if curve:
+            axes[2].plot(curve["batch_sizes"], curve["predicted_speedup"], ls="-." if cs[0]["tree"] else "-",
+                         color=colors(i % 10), marker=".", label=name)
+    titles = ("throughput (tokens/s over the batch)", "speedup vs plain: measured (markers), predicted (dotted)",
+              f"PREDICTED speedup: {sw.get('deployment', {}).get('name', '-')}, bf16")
+    for ax, title in zip(axes, titles):
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="batch size B", title=title)
+        ax.grid(alpha=0.3)
+    for ax in axes[1:]:
+        ax.axhline(1.0, color="gray", lw=1)
+    axes[0].legend(fontsize=6)
+    axes[2].legend(fontsize=6, title="chain solid, tree dash-dot", title_fontsize=6)
+    fig.suptitle(f"batched speculative decoding · target {target}", fontsize=9)
+    fig.tight_layout()
+    p = out_dir / "batch_sweep.png"
+    fig.savefig(p, bbox_inches="tight")
+    plt.close(fig)
+    return p
+
+
+# ---- all ---------------------------------------------------------------------------------------------------
+
+
+def write_all(out_dir: Path, meta: dict, records: list[dict], report_to: str | list[str] | None = "none",
+              wandb_project: str | None = None, batch_sweep: dict | None = None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_acceptance(out_dir, records, meta["target"]) + ([plot_tau(out_dir, records, meta["target"])]
                                                                   if records else [])
-    (out_dir / "report.json").write_text(json.dumps({"meta": meta, "records": records}, indent=2, allow_nan=False) + "\n")
+    if batch_sweep is not None:
+        plots.append(plot_batch_sweep(out_dir, batch_sweep, meta["target"]))
+    body = {"meta": meta, "records": records, **({"batch_sweep": batch_sweep} if batch_sweep is not None else {})}
+    (out_dir / "report.json").write_text(json.dumps(body, indent=2, allow_nan=False) + "\n")
     write_markdown(out_dir / "report.md", meta, records, plots)
-    if report_to == "wandb":
-        log_wandb(out_dir, meta, records, plots, wandb_project)
+    if batch_sweep is not None:  # its own section, after the per-prompt-set results
+        with open(out_dir / "report.md", "a") as f:
+            f.write("\n" + "\n".join(sweep_markdown(batch_sweep)) + "\n")
+    trackers = [t for t in ([report_to] if isinstance(report_to, str) else report_to or []) if t != "none"]
+    if trackers:  # scalars per (drafter, decode, prompt set), curves, table: spectrain/eval_tracking.py
+        from spectrain.eval_tracking import log_trackers
+
+        log_trackers(out_dir, meta, records, plots, trackers, wandb_project)
     return [out_dir / "report.json", out_dir / "report.md", *plots]

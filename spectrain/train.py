@@ -25,6 +25,7 @@ the loop when ZeRO-3 / FSDP shard the module); register it in ``DRAFTERS``.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 import warnings
@@ -35,17 +36,19 @@ import torch
 from torch import nn
 
 from spectrain import checkpoint as ckpt
-from spectrain.engine import (  # noqa: F401  (resolve_precision: re-exported)
+from spectrain.engine import (  # noqa: F401  (resolve_precision, resolve_num_threads: re-exported)
     full_state_dict,
     is_sharded,
     load_target_for,
     make_accelerator,
+    resolve_num_threads,
     resolve_precision,
     shard_target,
     shard_target_fsdp,
     zero3,
 )
 from spectrain.losses import sim_tau
+from spectrain.packing import pack_rows
 from spectrain.sources import OnlineSource, make_sources  # noqa: F401  (re-exported for scripts and tests)
 from spectrain.target import gathered
 
@@ -148,7 +151,7 @@ def build_optimizer(recipe, drafter: nn.Module, target) -> tuple[torch.optim.Opt
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]  # norms and biases: no weight decay
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=tuple(t.adam_betas), eps=1e-8)
     return opt, params
 
 
@@ -174,8 +177,9 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
 
     from spectrain.data import build_dataset, token_frequencies
 
-    acc = make_accelerator(recipe)
     t = recipe.training
+    torch.set_num_threads(resolve_num_threads(t.num_threads))
+    acc = make_accelerator(recipe)
     if acc.device.type == "cpu":
         torch.set_flush_denormal(True)  # tiny Adam/grad values as denormals make CPU kernels crawl
     set_seed(t.seed)
@@ -265,6 +269,8 @@ def train_step(run) -> dict:
     losses, parts, tokens, finite = [], [], 0, True
     for mb in step_micro_batches(run):
         batch, feats = run.train_src.get(mb)
+        if t.packing:  # one row of real tokens per micro-batch, attention masked per document
+            batch, feats = pack_rows(batch, feats)
         tokens += int(batch["attention_mask"].sum())
         with acc.accumulate(run.model):
             with acc.autocast():
@@ -437,6 +443,7 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
                 ev = evaluate(run)
                 if ev is not None:
                     log(run, ev)
+                if ev is not None and acc.is_main_process:  # tqdm.write prints on every rank
                     bar.write(f"step {step}: held-out sim_tau (proxy) {ev['eval/sim_tau_proxy']:.3f}  "
                               f"acc_0 {ev.get('eval/acc_0', float('nan')):.3f}")
                 maybe_best(run, ev)
@@ -478,6 +485,8 @@ def main(recipe_path: str, overrides: list[str] | None = None) -> int:
         sig = summary["interrupted_by"]
         return 128 + (int(sig) if isinstance(sig, int) else 15)
     tau = summary["best_sim_tau_proxy"]
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # one summary per run, from rank 0
     print(f"done: {summary['step']} steps in {summary['wall_s']:.0f}s; best held-out sim_tau (proxy) "
           f"{'n/a' if tau is None else f'{tau:.3f}'} at step {summary['best_step']}; run dir {summary['output_dir']}")
     return 0

@@ -235,6 +235,8 @@ def test_end_to_end_report(workdir, tmp_path):
         assert r["measured_speedup"] == pytest.approx(r["tokens_per_s"] / r["baseline_tokens_per_s"])
         assert r["predicted_speedup"] == pytest.approx(r["tau"] / (1 + 3 * r["c"]))
         assert r["c_source"] == "measured in this run"
+        assert r["tau_ci"][0] <= r["tau"] <= r["tau_ci"][1] and len(r["alpha_ci"]) == 3  # bootstrap over prompts
+        assert r["target_mean_tokens"] > 0 and 0 <= r["target_repeated_4gram_share"] <= 1
     greedy = [r for r in recs if r["temperature"] == 0]
     assert all(r["greedy_identical_to_plain"] == "2/2" for r in greedy)  # lossless: same tokens as plain
     assert recs[1]["skipped"] == {"malformed line (not a JSON object)": 1,

@@ -352,3 +352,99 @@ def test_relative_target_path_warned(medusa_ckpt, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     s = E.export(medusa_ckpt[1], "vllm-medusa", tmp_path / "o", target="t")
     assert any("relative path 't'" in w for w in s["warnings"])
+
+
+# ---- what the real loaders need (issue: serving interop) ---------------------------------------
+def test_vllm_eagle3_writes_target_embedding_and_every_layout_flag(target, eagle3_ckpt, tmp_path, capsys):
+    tdir = tmp_path / "t"
+    target.model.save_pretrained(tdir)
+    s = E.export(eagle3_ckpt[1], "vllm-eagle3", tmp_path / "v", target=str(tdir))
+    emb = load_file(str(tmp_path / "v" / "model.safetensors"))["embed_tokens.weight"]
+    assert torch.equal(emb, target.embed_tokens.weight.detach()) and s["embed_tokens_bytes"] == 128 * 32 * 4
+    cfg = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert {k: cfg[k] for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")} == dict.fromkeys(
+        ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"), False)
+    parser = E.add_export_args(argparse.ArgumentParser())
+    assert E.main(parser.parse_args([str(eagle3_ckpt[1]), "--format", "vllm-eagle3", "--out", str(tmp_path / "v3"),
+                                     "--target", str(tdir)])) == 0
+    assert "includes the target's embed_tokens.weight (0.0 MiB)" in capsys.readouterr().out
+    s = E.export(eagle3_ckpt[1], "vllm-eagle3", tmp_path / "v2")  # no local target: said, not silent
+    assert any("embed_tokens.weight not written" in w for w in s["warnings"])
+
+
+def test_sglang_eagle3_states_trtllm_capture_layers(target, tmp_path, capsys):
+    tdir = tmp_path / "t"
+    target.model.save_pretrained(tdir)
+    default = make_head(target, draft_vocab_size=96)  # inputs [2, 4, 5] = TensorRT-LLM's default outputs {1, 3, 4}
+    default.save_pretrained(tmp_path / "d")
+    s = E.export(tmp_path / "d", "sglang-eagle3", tmp_path / "sd", target=str(tdir))
+    assert s["trtllm_eagle3_layers_to_capture"] == [1, 3, 4] and not any("TensorRT" in w for w in s["warnings"])
+    assert "equals TensorRT-LLM's default" in (tmp_path / "sd" / "README.md").read_text()
+    custom = make_head(target, draft_vocab_size=96, aux_layers=[1, 3, 6])
+    custom.save_pretrained(tmp_path / "c")
+    parser = E.add_export_args(argparse.ArgumentParser())
+    assert E.main(parser.parse_args([str(tmp_path / "c"), "--format", "sglang-eagle3", "--out", str(tmp_path / "sc"),
+                                     "--target", str(tdir)])) == 0
+    assert "eagle3_layers_to_capture={0, 2, 5}" in capsys.readouterr().err
+    meta = json.loads((tmp_path / "sc" / "config.json").read_text())["spectrain_export"]
+    assert meta == {"trtllm_eagle3_layers_to_capture": [0, 2, 5], "trtllm_default_layers_to_capture": [1, 3, 4]}
+    layout = make_head(target, draft_vocab_size=96, norm_output=True)
+    layout.save_pretrained(tmp_path / "l")
+    with pytest.raises(ValueError, match=r"\['norm_output'\].*use --format vllm-eagle3"):
+        E.export(tmp_path / "l", "sglang-eagle3", tmp_path / "sl")
+
+
+def fasterdecoding_heads(h: int, v: int, k: int = 5, layers: int = 1) -> torch.nn.ModuleList:
+    """FasterDecoding/Medusa's head stack, as its from_pretrained builds it: medusa_num_heads forced to 5, and
+    [ResBlock] * layers repeats ONE module object."""
+    class ResBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(h, h)
+
+        def forward(self, x):
+            return x + F.silu(self.linear(x))
+
+    return torch.nn.ModuleList(torch.nn.Sequential(*([ResBlock()] * layers), torch.nn.Linear(h, v, bias=False))
+                               for _ in range(k))
+
+
+def test_medusa_pt_loads_in_fasterdecoding_without_missing_heads(target, tmp_path):
+    heads = make_heads(target, num_heads=5, num_resblocks=1, perturb=0.3)
+    heads.save_pretrained(tmp_path / "m")
+    s = E.export(tmp_path / "m", "medusa", tmp_path / "o")
+    assert s["warnings"] == [w for w in s["warnings"] if "FasterDecoding" not in w]
+    state = torch.load(tmp_path / "o" / "medusa_lm_head.pt", map_location="cpu", weights_only=True)
+    fd = fasterdecoding_heads(32, 128)
+    missing, unexpected = fd.load_state_dict(state, strict=False)  # what FasterDecoding calls
+    assert missing == [] and unexpected == []
+    h = final_hidden(target, ids_for(target))[0]
+    with torch.no_grad():
+        for i in range(5):
+            torch.testing.assert_close(fd[i](h.float()), heads.head_logits(i, h), rtol=0, atol=1e-6)
+
+
+def test_medusa_warns_for_what_fasterdecoding_cannot_represent(medusa_ckpt, tmp_path):
+    s = E.export(medusa_ckpt[1], "medusa", tmp_path / "o")  # 3 heads, 2 ResBlocks each
+    text = " ".join(s["warnings"])
+    assert "heads 3..4 of this 3-head export would stay at their initialisation" in text
+    assert "shares ONE ResBlock object" in text
+    (tmp_path / "o" / "medusa_lm_head.pt").unlink()
+    assert any("missing medusa_lm_head.pt" in p for p in E.validate("medusa", tmp_path / "o"))
+
+
+def test_hf_draft_config_carries_both_rope_styles(tmp_path):
+    from transformers import AutoConfig
+
+    model = make_draft_ckpt(tmp_path / "ckpt")
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    cfg["rope_parameters"] = llama3
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
+    E.export(tmp_path / "ckpt", "hf-draft", tmp_path / "out")
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out["rope_parameters"] == llama3 and out["rope_theta"] == 500000.0  # transformers 5 / 4.x
+    assert out["rope_scaling"] == {k: v for k, v in llama3.items() if k != "rope_theta"}
+    assert AutoConfig.from_pretrained(str(tmp_path / "out")).rope_parameters == llama3
+    assert model is not None

@@ -209,4 +209,4 @@ def test_check_tiny_recipe_on_reference_target(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)  # recipe paths are relative to the working directory
     assert check_main("recipes/tiny/eagle3.yaml", []) == 0
     out = capsys.readouterr().out
-    assert "OK target assets/reference-target: llama, 8 layers" in out and "<|end|>'" in out
+    assert "reference-target: llama, 8 layers" in out and "<|end|>'" in out

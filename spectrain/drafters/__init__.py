@@ -4,6 +4,8 @@
 - ``"ngram"`` / ``"ngram:max_n=3,min_n=1,k=8"`` -> prompt-lookup drafter (spectrain/drafters/ngram.py);
 - a directory holding ``drafter_config.json`` with ``"kind": K`` -> ``REGISTRY[K](path, target)``
   (trained spectrain drafters, e.g. ``eagle3``, ``medusa``);
+- a public EAGLE-3 head directory (speculators / vLLM format, or EAGLE / SGLang ``LlamaForCausalLMEagle3``)
+  -> imported exactly or refused by name (spectrain/drafters/eagle3_import.py);
 - anything else -> an HF causal LM directory or hub id used as a separate draft model
   (its tokenizer must match the target's; see draft_lm.check_vocab).
 
@@ -67,6 +69,10 @@ def load_drafter(spec, target) -> Drafter:
         if kind not in REGISTRY:
             raise ValueError(f"{cfg_file} has kind={kind!r}; known drafter kinds: {', '.join(sorted(REGISTRY))}")
         return _read_errors_named(REGISTRY[kind], path, target)
+    from spectrain.drafters.eagle3_import import detect
+
+    if detect(path):
+        return _read_errors_named(_lazy("spectrain.drafters.eagle3_import"), path, target)
     if path.exists() and not (path / "config.json").is_file():
         raise ValueError(f"{spec!r} holds neither drafter_config.json (a spectrain drafter) nor config.json "
                          "(an HF draft model); give 'ngram', a trained drafter directory or an HF model")

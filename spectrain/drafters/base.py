@@ -9,6 +9,13 @@ Decoding loop contract (spectrain.decoding.speculative_generate):
    after them (bonus / correction) is not a proposal node: it shows up as the last entry of the
    next ``ctx.tokens``. ``commit`` is called after every ``propose`` (also with ``[]``).
 
+Batched decoding (``batch_size=B``, spectrain/batched.py) calls ``begin_batch(prompts)``, then per
+step ``propose_batch(ctxs)`` / ``commit_batch(accepted)`` with one entry per active row (``None`` for a
+row that drafts nothing this step), and ``keep_rows(idx)`` when rows leave the batch. The defaults
+below run an independent shallow copy of the drafter per row (weights shared, per-sequence state
+separate), so every drafter is correct batched; a family may override them to draft all rows in one
+forward (EAGLE-3 chains do). Per row, the contract is exactly the single-sequence one.
+
 ``DraftContext.tokens`` is always the full committed sequence (prompt + emitted tokens), length L.
 
 Target features (head drafters) lag the tokens by one: the drafter has, in total, received rows
@@ -25,6 +32,7 @@ declare what they need with ``aux_layers`` / ``needs_final_hidden``; nothing is 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -97,3 +105,23 @@ class Drafter:
 
     def commit(self, accepted: list[int]) -> None:
         """`accepted`: indices of proposal nodes that were accepted, root to leaf."""
+
+    # ---- batched decoding (see the module docstring) -------------------------------------------
+    def begin_batch(self, prompts: list[torch.Tensor]) -> None:
+        self._rows = []
+        for p in prompts:
+            row = copy.copy(self)  # begin() below replaces every per-sequence attribute of the copy
+            row._rows = None
+            row.begin(p)
+            self._rows.append(row)
+
+    def propose_batch(self, ctxs: list[DraftContext | None]) -> list[Proposal | None]:
+        return [None if c is None else r.propose(c) for r, c in zip(self._rows, ctxs)]
+
+    def commit_batch(self, accepted: list[list[int] | None]) -> None:
+        for r, a in zip(self._rows, accepted):
+            if a is not None:
+                r.commit(a)
+
+    def keep_rows(self, idx: list[int]) -> None:
+        self._rows = [self._rows[i] for i in idx]

@@ -15,10 +15,23 @@ distribution at position t, which predicts x_{t+1}):
 Parameter names map one-to-one onto the vLLM speculators EAGLE-3 layout (fc.weight,
 layers.0.self_attn.q_proj.weight, ..., norm.weight, lm_head.weight, d2t, t2d). The target's
 embeddings are used frozen and never stored.
+
+Layer layouts (config flags, all false = the original EAGLE-3 layer; speculators' trainer defaults
+norm_before_fc, norm_before_residual and norm_output to true):
+- ``norm_before_fc``: one RMSNorm (``input_norm``, n_aux*H_t wide) over the concatenated aux states before fc;
+- ``fc_norm``: one RMSNorm per aux state (``fc_norm.{i}``) before concatenation (exclusive with norm_before_fc);
+- ``norm_before_residual``: layer 0's residual is hidden_norm(hidden) instead of the raw fused hidden;
+- ``norm_output``: the final norm's output (not the pre-norm state) is fed to the next step; logits are
+  lm_head(norm(h)) either way.
+- ``sliding_window`` + ``layer_types`` (speculators' trainer makes every draft layer sliding_attention, window
+  2048): a sliding layer sees the committed / step-0 keys of anchors within ``window`` of its anchor (what
+  speculators' TTT mask computes: the window is relative to the anchor, not to the drafted position),
+  and always its own chain's keys.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -28,9 +41,10 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from spectrain.drafters.base import DraftContext, Drafter, Proposal
+from spectrain.drafters.eagle3_decode import Eagle3Proposer, window_keep
 from spectrain.drafters.head_io import WEIGHTS_NAME, read_head_config, save_head
 from spectrain.losses import drafter_loss, hard_ce, sim_tau
+from spectrain.packing import DocTTTAttention, PackedDocs
 
 
 # ---- draft vocabulary ------------------------------------------------------------------------
@@ -78,8 +92,23 @@ def config_from_target(target, eagle3_cfg, aux_layers: list[int], draft_vocab_si
         "intermediate_size": eagle3_cfg.intermediate_size or tc.intermediate_size,
         "rms_norm_eps": getattr(tc, "rms_norm_eps", 1e-6), "rope_parameters": dict(rope),
         "max_position_embeddings": getattr(tc, "max_position_embeddings", 4096), "hidden_act": "silu",
-        "norm_before_residual": False, "ttt_steps": eagle3_cfg.ttt_steps, "ttt_decay": eagle3_cfg.ttt_decay,
+        "ttt_steps": eagle3_cfg.ttt_steps, "ttt_decay": eagle3_cfg.ttt_decay,
+        "target_num_layers": target.num_layers, **{k: bool(getattr(eagle3_cfg, k)) for k in LAYOUT_FLAGS},
+        **({"layer_types": ["sliding_attention"] * eagle3_cfg.num_layers, "sliding_window": eagle3_cfg.sliding_window}
+           if eagle3_cfg.sliding_window else {}),
     }
+
+
+LAYOUT_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+
+
+def layout(cfg: dict) -> dict[str, bool]:
+    """The four layer-layout flags of a head config (absent = false: heads saved before they existed)."""
+    flags = {k: bool(cfg.get(k, False)) for k in LAYOUT_FLAGS}
+    if flags["norm_before_fc"] and flags["fc_norm"]:
+        raise ValueError("norm_before_fc and fc_norm are exclusive (one RMSNorm over the concatenated aux states, "
+                         "or one per aux state): set at most one of them")
+    return flags
 
 
 def layer_config(cfg: dict) -> LlamaConfig:
@@ -134,6 +163,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         h, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
         self.fused = fused
+        self.norm_before_residual = layout(cfg)["norm_before_residual"]
         self.input_layernorm = LlamaRMSNorm(h, eps)
         if fused:
             self.hidden_norm = LlamaRMSNorm(h, eps)
@@ -143,17 +173,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden, emb, cos, sin, attend):
         if self.fused:
-            x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)
+            normed = self.hidden_norm(hidden)
+            x = torch.cat([self.input_layernorm(emb), normed], -1)
+            if self.norm_before_residual:
+                hidden = normed
         else:
             x = self.input_layernorm(hidden)
         hidden = hidden + self.self_attn(x, cos, sin, attend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-def attend_masked(q, k, v, mask):
-    """Plain softmax attention; mask [..., q, kv] bool (True = attend). fp32 softmax."""
-    s = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
-    return (s.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)) @ v
 
 
 class TTTAttention:
@@ -192,10 +219,23 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, cfg: dict, d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None):
         super().__init__()
         self.config = dict(cfg)
-        h, d = cfg["hidden_size"], cfg["draft_vocab_size"]
+        h, d, ht = cfg["hidden_size"], cfg["draft_vocab_size"], cfg["target_hidden_size"]
         self.aux_layers = list(cfg["aux_layers"])
-        self.fc = nn.Linear(len(self.aux_layers) * cfg["target_hidden_size"], h, bias=False)
+        if self.aux_layers != sorted(self.aux_layers):
+            # engines feed fc the captured layers in ascending order (eagle3_import.sort_aux sorts old heads)
+            raise ValueError(f"EAGLE-3 aux layers {self.aux_layers} are not ascending: vLLM, SGLang and TensorRT-LLM "
+                             "feed fc the captured layers in ascending order; list them sorted")
+        self.layout = layout(cfg)
+        n_aux, eps = len(self.aux_layers), cfg["rms_norm_eps"]
+        if self.layout["norm_before_fc"]:
+            self.input_norm = LlamaRMSNorm(n_aux * ht, eps)
+        if self.layout["fc_norm"]:
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(ht, eps) for _ in range(n_aux))
+        self.fc = nn.Linear(n_aux * ht, h, bias=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, fused=i == 0) for i in range(cfg["num_layers"]))
+        types = cfg.get("layer_types") or []
+        self.windows = [cfg.get("sliding_window") if i < len(types) and types[i] == "sliding_attention" else None
+                        for i in range(cfg["num_layers"])]
         self.norm = LlamaRMSNorm(h, cfg["rms_norm_eps"])
         self.lm_head = nn.Linear(h, d, bias=False)
         if d2t is None:
@@ -204,6 +244,8 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", t2d.bool().clone())
         self.rotary = LlamaRotaryEmbedding(layer_config(cfg))
         self.apply(self._init_weights)
+        if cfg.get("freeze_lm_head", False):
+            self.lm_head.weight.requires_grad_(False)
 
     @staticmethod
     def _init_weights(m):
@@ -214,16 +256,42 @@ class Eagle3Drafter(nn.Module):
     @classmethod
     def from_recipe(cls, recipe, target, token_counts: torch.Tensor | None) -> Eagle3Drafter:
         e = recipe.drafter.eagle3
+        if e.init_from:  # fine-tune an existing head (spectrain's, speculators' or the EAGLE/SGLang format)
+            from spectrain.drafters.eagle3_import import init_from_head
+
+            return init_from_head(cls, e.init_from, recipe, target)
         aux = target.validate_aux_layers(list(e.aux_layers) or target.default_aux_layers())
         d2t, t2d = build_draft_vocab(token_counts, e.draft_vocab_size, target.vocab_size)
         cfg = config_from_target(target, e, aux, e.draft_vocab_size)
         cfg["loss"] = recipe.drafter.loss
+        cfg.update(lm_head_init=e.lm_head_init, freeze_lm_head=e.freeze_lm_head, loss_positions=e.loss_positions,
+                   out_of_vocab=e.out_of_vocab)
         from spectrain.features import target_fingerprint
 
         # Same shapes do not mean same weights: a head trained on another build of the target
         # loads fine and then accepts almost nothing. Record which target it was trained on.
         cfg["target_fingerprint"] = target_fingerprint(target)
-        return cls(cfg, d2t, t2d).to(target.device)
+        model = cls(cfg, d2t, t2d)
+        if e.lm_head_init != "random":
+            model.init_head_from_target(target, with_norm=e.lm_head_init == "target_with_norm")
+        return model.to(target.device)
+
+    @torch.no_grad()
+    def init_head_from_target(self, target, with_norm: bool = False) -> None:
+        """lm_head = the target's lm_head rows of the draft vocabulary (a head that starts out mapping a
+        target-like hidden state to the target's logits); with_norm also copies the final norm's scale."""
+        w = target.lm_head.weight
+        if getattr(target.lm_head, "bias", None) is not None:
+            raise ValueError("drafter.eagle3.lm_head_init=target: the target's lm_head has a bias, which the "
+                             "EAGLE-3 head's lm_head cannot hold; use lm_head_init=random")
+        self.lm_head.weight.copy_(w[self.draft_ids.to(w.device)].to(self.lm_head.weight))
+        if with_norm:
+            self.norm.weight.copy_(target.norm.weight.to(self.norm.weight))
+            x = torch.randn(2, self.norm.weight.numel(), dtype=torch.float32)
+            # a target norm with another formula (e.g. Gemma's x * (1 + w)) cannot be copied weight for weight
+            if not torch.allclose(self.norm.float()(x), copy.deepcopy(target.norm).float().cpu()(x), atol=1e-4):
+                raise ValueError(f"drafter.eagle3.lm_head_init=target_with_norm: the target's final norm "
+                                 f"({type(target.norm).__name__}) is not an RMSNorm x * w; use lm_head_init=target")
 
     def feature_spec(self) -> dict:
         return {"aux_layers": list(self.aux_layers), "want_last_hidden": True}
@@ -239,27 +307,54 @@ class Eagle3Drafter(nn.Module):
         cos, sin = self.rotary(hidden, position_ids)
         for layer, attend in zip(self.layers, attends):
             hidden = layer(hidden, emb, cos, sin, attend)
-        return hidden, self.lm_head(self.norm(hidden))
+        normed = self.norm(hidden)
+        # norm_output: the normed state, not the pre-norm one, is what the next step builds on
+        return (normed if self.layout["norm_output"] else hidden), self.lm_head(normed)
 
     def _inputs(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.fc.weight.dtype)
 
-    def ttt_logits(self, input_ids, attention_mask, aux, target, steps: int | None = None) -> list[torch.Tensor]:
-        """Unrolled TTT forward: per step i, logits [B,T,D] at every anchor t (see module docstring)."""
+    def _emb(self, e: torch.Tensor) -> torch.Tensor:
+        """The target's embedding rows as this head sees them: an imported head that stored the embedding in a
+        lower precision (speculators saves bf16) computed with those rounded rows (config ``embed_dtype``)."""
+        if self.config.get("embed_dtype"):
+            e = e.to(getattr(torch, self.config["embed_dtype"]))
+        return self._inputs(e)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """[..., n_aux*H_t] concatenated aux states -> the fused hidden [..., H] (the optional norms, then fc)."""
+        x = self._inputs(aux)
+        if self.layout["norm_before_fc"]:
+            x = self.input_norm(x)
+        if self.layout["fc_norm"]:
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), -1))], -1)
+        return self.fc(x)
+
+    def ttt_logits(self, input_ids, attention_mask, aux, target, steps: int | None = None,
+                   docs: PackedDocs | None = None) -> list[torch.Tensor]:
+        """Unrolled TTT forward: per step i, logits [B,T,D] at every anchor t (see module docstring).
+        ``docs``: the row is packed (spectrain.packing); attention stays inside each document."""
         steps = steps or self.config["ttt_steps"]
-        b, t = input_ids.shape
-        am = attention_mask.bool()
-        pos0 = (am.long().cumsum(1) - 1).clamp_min(0)
-        idx = torch.arange(t, device=input_ids.device)
-        causal = idx[None, :] <= idx[:, None]
-        # a padded query still sees itself, so no softmax row is empty
-        mask0 = (causal[None] & (am[:, None, :] | torch.eye(t, dtype=torch.bool, device=am.device)))[:, None]
-        attends = [TTTAttention(mask0) for _ in self.layers]
-        hidden = self.fc(self._inputs(aux))
+        if docs is not None:
+            # a window at least as long as the packed row masks nothing (e.g. speculators' 2048 on short rows)
+            if any(w is not None and w < input_ids.shape[1] for w in self.windows):
+                raise ValueError("training.packing=true does not support drafter.eagle3.sliding_window shorter than "
+                                 "the packed row yet; set training.packing=false or a larger sliding_window")
+            pos0, attends = docs.positions, [DocTTTAttention(docs) for _ in self.layers]
+        else:
+            t = input_ids.shape[1]
+            am = attention_mask.bool()
+            pos0 = (am.long().cumsum(1) - 1).clamp_min(0)
+            idx = torch.arange(t, device=input_ids.device)
+            causal = idx[None, :] <= idx[:, None]
+            # a padded query still sees itself, so no softmax row is empty
+            mask0 = (causal[None] & (am[:, None, :] | torch.eye(t, dtype=torch.bool, device=am.device)))[:, None]
+            attends = [TTTAttention(mask0 if w is None else mask0 & window_keep(idx, t, w)) for w in self.windows]
+        hidden = self.fuse(aux)
         out = []
         for i in range(steps):
             with torch.no_grad():
-                emb = self._inputs(target.embed(_shift(input_ids, 1 + i)))
+                emb = self._emb(target.embed(_shift(input_ids, 1 + i)))
             hidden, logits = self.step(emb, hidden, pos0 + i, attends)
             out.append(logits)
         return out
@@ -269,22 +364,29 @@ class Eagle3Drafter(nn.Module):
         ids, am, lm = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
         steps, decay = self.config["ttt_steps"], self.config["ttt_decay"]
         name = self.config.get("loss", "fkl")
+        # a position is trained when its predicted token (default) or its input token is the assistant's
+        lead = 2 if self.config.get("loss_positions", "predicted") == "predicted" else 1
+        keep_oov = self.config.get("out_of_vocab", "mask") == "keep"
         to_draft = torch.cumsum(self.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
         with torch.no_grad():
             tlogits = target.logits_from_last_hidden(feats["last_hidden"])
             in_vocab = self.t2d[tlogits.argmax(-1)]
             teacher = tlogits[..., self.draft_ids].float()  # restricted; its softmax is renormalised
             del tlogits
-        logits = self.ttt_logits(ids, am, feats["aux"], target, steps)
+        docs = PackedDocs(batch["doc_lengths"]) if "doc_lengths" in batch else None
+        inside = docs.same_doc if docs is not None else (lambda n: True)  # packed: not past the document's end
+        logits = self.ttt_logits(ids, am, feats["aux"], target, steps, docs)
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
         run = torch.ones_like(am)  # all earlier steps correct at this anchor
         for i, lg in enumerate(logits):
             tch = _shift(teacher, 1 + i)
-            mask = _shift(lm & am, 2 + i, False) & _shift(in_vocab, 1 + i, False)
+            sup = _shift(lm & am, lead + i, False) & inside(lead + i)
+            mask = sup if keep_oov else sup & _shift(in_vocab, 1 + i, False)
             if name == "hard_ce":  # labels = the data's token t+2+i, where the draft vocabulary has it
                 data = _shift(ids, 2 + i)
-                li = hard_ce(lg, to_draft[data].clamp_min(0), _shift(lm & am, 2 + i, False) & self.t2d[data])
+                li = hard_ce(lg, to_draft[data].clamp_min(0),
+                             sup & _shift(am, 2 + i, False) & inside(2 + i) & self.t2d[data])
             else:
                 li = drafter_loss(name, lg, tch, None, mask)
             total = total + decay**i * li
@@ -299,7 +401,7 @@ class Eagle3Drafter(nn.Module):
             if i == 0:
                 metrics["tokens"] = float(n)
                 # assistant tokens whose predicting position has its target argmax outside the draft vocab
-                asst = lm[:, 1:] & am[:, 1:]
+                asst = lm[:, 1:] & am[:, 1:] & (docs.same_doc(1) if docs is not None else am)[:, :-1]
                 metrics["frac_out_of_draft_vocab"] = float((asst & ~in_vocab[:, :-1]).sum()) / max(
                     float(asst.sum()), 1.0)
         metrics["loss"] = float(total.detach())
@@ -314,204 +416,17 @@ class Eagle3Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, target) -> Eagle3Drafter:
+        from spectrain.drafters.eagle3_import import sort_aux
+
         cfg = read_head_config(path, "eagle3", target, "EAGLE-3 head")
         target.validate_aux_layers(cfg["aux_layers"])
-        state = load_file(str(Path(path) / WEIGHTS_NAME))
+        cfg, state = sort_aux(cfg, load_file(str(Path(path) / WEIGHTS_NAME)), f"EAGLE-3 head at {path}")
         model = cls(cfg, state["d2t"], state["t2d"])
         model.load_state_dict(state, strict=True)
         return model.to(target.device)
 
 
-# ---- decoding adapter ------------------------------------------------------------------------
-class Eagle3Proposer(Drafter):
-    """Decoding-side EAGLE-3: a KV cache of step-0 entries built from *true* target features for
-    every committed position; drafted nodes live only in per-proposal temporary K/V, so rolling back
-    after verification needs nothing (the accepted tokens' true features arrive with the next call)."""
-
-    name = "eagle3"
-    supports_tree = True
-
-    def __init__(self, model: Eagle3Drafter, target):
-        self.model = model.eval()
-        self.target = target
-        self.aux_layers = list(model.aux_layers)
-        self.begin(None)
-
-    def begin(self, prompt: torch.Tensor | None) -> None:
-        self.cache = self._empty()  # per layer (K, V) [1, heads, n, head_dim], keys already rotated
-        self.n = 0  # committed positions whose step-0 entry is cached
-        self.root_hidden = self.root_logits = None
-
-    def commit(self, accepted: list[int]) -> None:
-        pass  # drafted K/V were temporary; see the class docstring
-
-    # ---- internals ---------------------------------------------------------------------------
-    def _empty(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        c, w = self.model.config, self.model.fc.weight
-        z = w.new_zeros(1, c["num_attention_heads"], 0, c["head_dim"])
-        return [(z, z) for _ in self.model.layers]
-
-    def _run(self, emb, hidden, positions, mask, temp):
-        """One step for m rows attending to cache + temp + themselves (mask [m, n + n_temp + m]).
-        Returns (layer output [1,m,H], logits [m,D] fp32, the rows' new per-layer K/V)."""
-        new = []
-
-        def make(li):
-            def attend(q, k, v):
-                new.append((k, v))
-                (ck, cv), (tk, tv) = self.cache[li], temp[li]
-                return attend_masked(q, torch.cat([ck, tk, k], 2), torch.cat([cv, tv, v], 2), mask)
-            return attend
-
-        m = self.model
-        h, logits = m.step(m._inputs(emb)[None], hidden, positions[None], [make(i) for i in range(len(m.layers))])
-        return h, logits[0].float(), new
-
-    @staticmethod
-    def _append(kv, new):
-        return [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(kv, new)]
-
-    def _ingest(self, ctx: DraftContext) -> None:
-        f, total = ctx.features, int(ctx.tokens.numel())
-        if f is not None and len(f):
-            if f.aux is None:
-                raise ValueError("EAGLE-3 needs ctx.features.aux (the target's aux-layer inputs); the decoder "
-                                 f"must request layers {self.aux_layers}")
-            if f.start > self.n:
-                raise ValueError(f"EAGLE-3 drafter got features from position {f.start} but has only {self.n} "
-                                 "cached: features for committed positions were skipped")
-            if f.start < self.n:  # re-sent features: recompute from there
-                self.cache = [(k[:, :, :f.start], v[:, :, :f.start]) for k, v in self.cache]
-                self.n = f.start
-            n_new = len(f)
-            if f.start + n_new > total - 1:
-                raise ValueError(f"features reach position {f.start + n_new - 1} but the last committed token "
-                                 f"is at {total - 1}; features must lag the tokens by one (base.py contract)")
-            m = self.model
-            emb = self.target.embed(ctx.tokens[f.start + 1: f.start + 1 + n_new])
-            hidden = m.fc(m._inputs(f.aux))[None]
-            pos = torch.arange(f.start, f.start + n_new, device=hidden.device)
-            causal = torch.ones(n_new, n_new, dtype=torch.bool, device=hidden.device).tril()
-            mask = torch.cat([causal.new_ones(n_new, self.n), causal], 1)
-            h, logits, new = self._run(emb, hidden, pos, mask, self._empty())
-            self.cache = self._append(self.cache, new)
-            self.n = f.start + n_new
-            self.root_hidden, self.root_logits = h[:, -1:], logits[-1]
-        if self.n != total - 1 or self.root_logits is None:
-            raise ValueError(f"EAGLE-3 drafter has features for {self.n} positions but {total} tokens are "
-                             f"committed; the decoder must hand over features for positions up to {total - 2}")
-
-    def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab logits -> target-vocab logits (-inf outside the draft vocab)."""
-        full = logits.new_full((self.target.vocab_size,), float("-inf"))
-        full[self.model.draft_ids] = logits
-        return full
-
-    def _children(self, logits, n: int, sampler):
-        """n children of one node: (target ids [n], log q [n], q row [V] or None)."""
-        if sampler.greedy:
-            top = logits.log_softmax(-1).topk(min(n, logits.numel()))
-            return self.model.draft_ids[top.indices], top.values, None
-        q = sampler.probs(self._full_logits(logits))
-        # i.i.d. draws from q: what recursive rejection over siblings assumes
-        toks = torch.multinomial(q, n, replacement=True, generator=sampler.generator)
-        return toks, q[toks].log(), q
-
-    # ---- proposing ---------------------------------------------------------------------------
-    @torch.no_grad()
-    def propose(self, ctx: DraftContext) -> Proposal:
-        if ctx.tokens.numel() < 2:  # a 1-token prompt: no target features to condition on yet
-            return Proposal(tokens=ctx.tokens.new_zeros(0))
-        self._ingest(ctx)
-        if ctx.tree is not None:
-            return self._tree(ctx)
-        h, logits, temp = self.root_hidden, self.root_logits, self._empty()
-        toks, qs = [], []
-        for j in range(ctx.k):
-            tok, _, q = self._children(logits, 1, ctx.sampler)
-            toks.append(tok)
-            qs.append(q)
-            if j == ctx.k - 1:
-                break
-            # drafted token j+1 sits at position n + j and sees the whole cache + drafted 0..j
-            mask = torch.ones(1, self.n + j + 1, dtype=torch.bool, device=h.device)
-            pos = torch.tensor([self.n + j], device=h.device)
-            h, lg, new = self._run(self.target.embed(tok), h, pos, mask, temp)
-            temp, logits = self._append(temp, new), lg[0]
-        tokens = torch.cat(toks) if toks else torch.zeros(0, dtype=torch.long, device=self.root_logits.device)
-        probs = None if ctx.sampler.greedy or not qs else torch.stack(qs)
-        return Proposal(tokens=tokens.long(), probs=probs)
-
-    def _tree(self, ctx: DraftContext) -> Proposal:
-        """EAGLE-2 dynamic tree: per depth, expand the `topk` best nodes (cumulative draft log-prob) by
-        `topk` children each; keep the best `total_tokens` nodes (greedy) or whole sibling groups in
-        order of their parent's score (sampling: dropping individual draws would bias the verifier)."""
-        opts, sampler = ctx.tree, ctx.sampler
-        topk, total = int(opts.get("topk", 4)), int(opts.get("total_tokens", 32))
-        dev = self.root_logits.device
-        tok, lq, q = self._children(self.root_logits, topk, sampler)
-        node_tok, node_par, node_score, node_depth, node_q = list(tok), [-1] * len(tok), list(lq), [1] * len(tok), \
-            [q] * len(tok)
-        fwd_of: dict[int, int] = {}  # node -> row in temp K/V
-        fwd_hidden, fwd_anc = [], []  # per forwarded row: layer output, ancestor rows (incl. itself)
-        temp, layer = self._empty(), list(range(len(tok)))
-        for d in range(2, ctx.k + 1):
-            expand = sorted(layer, key=lambda i: -float(node_score[i]))[:topk]
-            m, base = len(expand), len(fwd_hidden)
-            anc = torch.zeros(m, base, dtype=torch.bool, device=dev)
-            hid = []
-            for r, i in enumerate(expand):
-                p = node_par[i]
-                if p >= 0:
-                    anc[r, : fwd_anc[fwd_of[p]].numel()] = fwd_anc[fwd_of[p]]
-                hid.append(self.root_hidden[0, 0] if p < 0 else fwd_hidden[fwd_of[p]])
-            mask = torch.cat([anc.new_ones(m, self.n), anc, torch.eye(m, dtype=torch.bool, device=dev)], 1)
-            pos = torch.full((m,), self.n + d - 2, device=dev)
-            h, lg, new = self._run(self.target.embed(torch.stack([node_tok[i] for i in expand])),
-                                   torch.stack(hid)[None], pos, mask, temp)
-            temp, layer = self._append(temp, new), []
-            for r, i in enumerate(expand):
-                fwd_of[i] = base + r
-                fwd_hidden.append(h[0, r])
-                row = torch.zeros(base + m, dtype=torch.bool, device=dev)
-                row[: anc.shape[1]] = anc[r]
-                row[base + r] = True
-                fwd_anc.append(row)
-                tok, lq, q = self._children(lg[r], topk, sampler)
-                layer += range(len(node_tok), len(node_tok) + len(tok))
-                node_tok += list(tok)
-                node_par += [i] * len(tok)
-                node_score += list(node_score[i] + lq)
-                node_depth += [d] * len(tok)
-                node_q += [q] * len(tok)
-        keep = self._select(node_par, [float(s) for s in node_score], node_depth, total, sampler.greedy)
-        order = sorted(keep, key=lambda i: (node_depth[i], i))  # parents before children
-        new_index = {old: new for new, old in enumerate(order)}
-        parents = torch.tensor([-1 if node_par[i] < 0 else new_index[node_par[i]] for i in order], device=dev)
-        tokens = torch.stack([node_tok[i] for i in order]).long()
-        probs = None if sampler.greedy else torch.stack([node_q[i] for i in order])
-        return Proposal(tokens=tokens, parents=parents, probs=probs)
-
-    @staticmethod
-    def _select(par: list[int], score: list[float], depth: list[int], total: int, greedy: bool) -> set[int]:
-        # a parent's cumulative log-prob is >= its children's and its depth smaller, so walking nodes
-        # by (-score, depth) always meets a parent before its children
-        rank = sorted(range(len(par)), key=lambda i: (-score[i], depth[i], i))
-        keep: set[int] = set()
-        if greedy:
-            for i in rank:
-                if len(keep) >= total:
-                    break
-                if par[i] < 0 or par[i] in keep:
-                    keep.add(i)
-            return keep
-        groups: dict[int, list[int]] = {}
-        for i, p in enumerate(par):
-            groups.setdefault(p, []).append(i)
-        for p in [-1, *rank]:
-            if p in groups and (p < 0 or p in keep):
-                keep.update(groups[p][: max(0, total - len(keep))])  # a prefix of i.i.d. draws is i.i.d.
-        return keep
+__all__ = ["Eagle3Drafter", "Eagle3Proposer", "LAYOUT_FLAGS", "build_draft_vocab", "layout", "load"]
 
 
 def load(path, target) -> Eagle3Proposer:

@@ -126,4 +126,7 @@ def main(args: argparse.Namespace) -> int:
     size = sum(summary["files"].values())
     print(f"wrote {summary['format']} export of {summary['source']} to {summary['out']} "
           f"({len(summary['files'])} files, {size / 2**20:.1f} MiB), validated: OK")
+    if "embed_tokens_bytes" in summary:
+        print(f"  includes the target's embed_tokens.weight ({summary['embed_tokens_bytes'] / 2**20:.1f} MiB) so the "
+              "speculators package computes the same logits; vLLM/SGLang would share the target's anyway")
     return 0

@@ -179,3 +179,29 @@ def problems_of(check: Callable[[], list[str]]) -> list[str]:
         return [f"config.json lacks a required field: {e.args[0]!r}"]
     except (TypeError, IndexError, AttributeError, ValueError) as e:
         return [f"config.json is malformed (a field has the wrong type or shape): {e}"]
+
+
+def target_embedding(name: str, vocab: int, hidden: int) -> torch.Tensor | None:
+    """The target's input embedding [vocab, hidden] read from its local safetensors (None when not local)."""
+    from safetensors import safe_open
+
+    root = Path(name) if name else None
+    files = sorted(root.glob("*.safetensors")) if root and root.is_dir() else []
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            # text LMs: model.embed_tokens.weight; multimodal: model.language_model.embed_tokens.weight
+            keys = [k for k in st.keys() if k.endswith("embed_tokens.weight")]
+            for k in keys:
+                t = st.get_tensor(k)
+                if tuple(t.shape) == (vocab, hidden):
+                    return t
+    return None
+
+
+def rope_keys(rope: dict) -> dict:
+    """One RoPE in both config styles: transformers 5 reads ``rope_parameters``, transformers 4.x (and engines
+    built on it) ``rope_theta`` + ``rope_scaling`` (None for plain RoPE, else the scaling fields with rope_type)."""
+    rope = dict(rope)
+    rope.setdefault("rope_type", "default")
+    scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {"rope_theta": rope.get("rope_theta", 10000.0), "rope_scaling": scaling, "rope_parameters": rope}

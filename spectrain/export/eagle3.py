@@ -2,24 +2,34 @@
 (``sglang-eagle3``), with their validators.
 
 - vllm-eagle3: weights keep spectrain's names (they are the speculators names); ``config.json`` carries
-  ``transformer_layer_config``, ``draft_vocab_size``, ``target_hidden_size``, an explicit
-  ``norm_before_residual`` (vLLM assumes true when the key is absent) and
+  ``transformer_layer_config``, ``draft_vocab_size``, ``target_hidden_size``, all four layout flags written
+  explicitly (``norm_before_residual``: vLLM assumes true when the key is absent) and
   ``eagle_aux_hidden_state_layer_ids`` in vLLM's convention: id L = the *input* of layer L, as spectrain
-  records them.
+  records them. ``embed_tokens.weight`` (the target's, read from a local --target) is written too: the
+  speculators package under transformers 5 does not fill a missing one from the verifier (its NaN sentinel
+  never reaches real memory), so without it speculators computes wrong logits; vLLM and SGLang use it
+  as the (identical) draft embedding. Cost: vocab x hidden x dtype bytes (1.05 GB bf16 for Llama-3-8B).
 - sglang-eagle3: ``LlamaForCausalLMEagle3`` with Llama fields; layer 0 is ``midlayer.*`` (what SGLang and
   TensorRT-LLM load; vLLM remaps it too). SGLang captures the input of layer id+1 for each explicit id
   (ids are layer *outputs*), so the ids written are spectrain's minus one. Single-layer heads only: SGLang
-  (``additional_layers.*``) and TensorRT-LLM (``midlayer.{i}``) name further layers differently.
+  (``additional_layers.*``) and TensorRT-LLM (``midlayer.{i}``) name further layers differently. Neither
+  engine implements the extra layout norms, so heads using them are refused. TensorRT-LLM ignores the
+  aux ids in config.json: it captures ``eagle3_layers_to_capture`` from its own decoding config (default
+  {1, N//2-1, N-4} as layer outputs); the value this head needs is written to ``README.md`` and to
+  ``config.json`` (``spectrain_export``), and printed when it differs from that default.
 """
 
 from __future__ import annotations
 
+import warnings as pywarnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from spectrain.drafters.eagle3 import LAYOUT_FLAGS, layout
+from spectrain.drafters.eagle3_import import sort_aux
 from spectrain.export.common import (
     WEIGHTS_NAME,
     Spec,
@@ -29,8 +39,10 @@ from spectrain.export.common import (
     load_export,
     problems_of,
     read_head,
+    rope_keys,
     staged,
     summary,
+    target_embedding,
     target_info,
     write_json,
 )
@@ -40,59 +52,127 @@ SPECULATORS_VERSION = "0.3.0"  # the speculators config layout followed here; vL
 
 def _layer_fields(cfg: dict) -> dict:
     """The draft decoder layer as Llama config fields, readable by transformers 4 and 5 alike."""
-    rope = dict(cfg["rope_parameters"])
-    default = rope.get("rope_type", "default") == "default"
     return {
         "model_type": "llama", "vocab_size": cfg["target_vocab_size"], "hidden_size": cfg["hidden_size"],
         "intermediate_size": cfg["intermediate_size"], "num_hidden_layers": cfg["num_layers"],
         "num_attention_heads": cfg["num_attention_heads"], "num_key_value_heads": cfg["num_key_value_heads"],
         "head_dim": cfg["head_dim"], "hidden_act": cfg.get("hidden_act", "silu"), "rms_norm_eps": cfg["rms_norm_eps"],
-        "max_position_embeddings": cfg["max_position_embeddings"], "rope_theta": rope.get("rope_theta", 10000.0),
-        "rope_scaling": None if default else {k: v for k, v in rope.items() if k != "rope_theta"},
-        "rope_parameters": rope, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "max_position_embeddings": cfg["max_position_embeddings"], **rope_keys(cfg["rope_parameters"]),
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        **({"layer_types": cfg["layer_types"], "sliding_window": cfg["sliding_window"]} if cfg.get("layer_types") else {}),
     }
+
+
+def _read_sorted(src: Path, fmt: str) -> tuple[dict, dict[str, torch.Tensor], list[str]]:
+    """The head with ascending aux ids (fc's input blocks permuted alongside), and any warning that caused."""
+    cfg, state = read_head(src, "eagle3", fmt)
+    with pywarnings.catch_warnings(record=True) as caught:
+        pywarnings.simplefilter("always")
+        cfg, state = sort_aux(cfg, state, f"EAGLE-3 head {src}")
+    return cfg, state, [str(w.message) for w in caught]
+
+
+def trtllm_capture(aux: list[int], num_layers: int | None) -> tuple[list[int], list[int] | None]:
+    """(TensorRT-LLM eagle3_layers_to_capture this head needs, TensorRT-LLM's default for the target or None)."""
+    need = [a - 1 for a in aux]  # TensorRT-LLM captures layer outputs, spectrain's ids are layer inputs
+    default = [1, num_layers // 2 - 1, num_layers - 4] if num_layers and num_layers > 5 else None
+    return need, default
+
+
+def _sglang_config(cfg: dict, state: dict, aux: list[int], dtype: str, n_layers: int | None):
+    flags = [k for k, on in layout(cfg).items() if on]
+    if flags:
+        raise ValueError(f"this head uses {flags}; SGLang's and TensorRT-LLM's EAGLE-3 layer implements none of the "
+                         "extra layout norms, so it would compute another function there: use --format vllm-eagle3")
+    if cfg.get("layer_types"):
+        raise ValueError("this head has sliding-window draft layers, which SGLang's EAGLE-3 layer does not apply: "
+                         "use --format vllm-eagle3")
+    if cfg["num_layers"] != 1:
+        raise ValueError(f"sglang-eagle3 takes single-layer heads (SGLang and TensorRT-LLM name further "
+                         f"layers differently); this head has {cfg['num_layers']}: use --format vllm-eagle3")
+    if min(aux) < 1:
+        raise ValueError(f"aux layer ids {aux} include the embeddings (input of layer 0), which SGLang's "
+                         "output-of-layer ids cannot express")
+    state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in state.items()}
+    need, default = trtllm_capture(aux, n_layers)
+    config = {**_layer_fields(cfg), "architectures": ["LlamaForCausalLMEagle3"],
+              "draft_vocab_size": cfg["draft_vocab_size"], "target_hidden_size": cfg["target_hidden_size"],
+              # SGLang captures the input of layer id+1 for each id: write output-of-layer ids
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": need, "use_aux_hidden_state": True},
+              "torch_dtype": dtype, "spectrain_export": {"trtllm_eagle3_layers_to_capture": need,
+                                                         "trtllm_default_layers_to_capture": default}}
+    return config, state
+
+
+def _trtllm_readme(need: list[int], default: list[int] | None) -> str:
+    same = "equals TensorRT-LLM's default for this target" if need == default else (
+        f"differs from TensorRT-LLM's default {default}" if default else "(target depth unknown: compare it with "
+        "TensorRT-LLM's default {1, N//2-1, N-4})")
+    return ("# EAGLE-3 head exported by spectrain (sglang-eagle3)\n\n"
+            "SGLang reads the aux layer ids from config.json (eagle_config). TensorRT-LLM does not: it captures "
+            "the layers named by `eagle3_layers_to_capture` in its EAGLE-3 decoding config.\n\n"
+            f"This head needs `eagle3_layers_to_capture = {set(need)}` (layer outputs), which {same}.\n")
+
+
+def _vllm_config(cfg: dict, aux: list[int], dtype: str, target: str, tcfg: dict | None) -> dict:
+    verifier = {"name_or_path": target, "architectures": (tcfg or {}).get("architectures", [])}
+    return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _layer_fields(cfg),
+            "draft_vocab_size": cfg["draft_vocab_size"], "target_hidden_size": cfg["target_hidden_size"],
+            **layout(cfg), "eagle_aux_hidden_state_layer_ids": aux,
+            "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy", "verifier_accept_k": 1,
+                                                         "speculative_tokens": int(cfg.get("ttt_steps", 3)),
+                                                         "accept_tolerance": 0.0}],
+                                   "verifier": verifier},
+            "torch_dtype": dtype, "tie_word_embeddings": False}
+
+
+def _with_embedding(state: dict, cfg: dict, target: str, dtype: str) -> tuple[dict, list[str]]:
+    emb = target_embedding(target, cfg["target_vocab_size"], cfg["hidden_size"])
+    if emb is None:
+        return state, [f"embed_tokens.weight not written (target {target!r} has no local safetensors): vLLM and "
+                       "SGLang share the target's embedding, but the speculators package (evaluation, fine-tuning) "
+                       "would compute wrong logits; re-export with --target pointing at the target's directory"]
+    flags = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(k)]
+    notes = [f"layout {flags}: the vLLM EAGLE-3 code read for this project implements norm_before_residual (and, "
+             "in some versions, norm_before_fc) only; check that your vLLM computes this layout"] if flags else []
+    if cfg.get("embed_dtype"):  # an imported head that computed with rounded rows: store exactly those
+        emb = emb.to(getattr(torch, cfg["embed_dtype"]))
+    return {**state, "embed_tokens.weight": emb.to(getattr(torch, dtype))}, notes
 
 
 def _export_eagle3(fmt: str, src_dir, out_dir, target_name: str | None, overwrite: bool) -> dict:
     src, out = Path(src_dir), Path(out_dir)
-    cfg, state = read_head(src, "eagle3", fmt)
+    cfg, state, warnings = _read_sorted(src, fmt)
     check_out(src, out, overwrite)
     target = target_name or cfg.get("target") or ""
-    tcfg, warnings = target_info(target, cfg)
+    tcfg, more = target_info(target, cfg)
+    warnings += more
     aux, dtype = list(cfg["aux_layers"]), dtype_name(state)
-    written = [a - 1 for a in aux] if fmt == "sglang-eagle3" else aux
-    if cfg.get("norm_before_residual", False):
-        raise ValueError("this head was trained with norm_before_residual=true, which spectrain's EAGLE-3 layer "
-                         "does not implement; it cannot be exported faithfully")
+    n_layers = (tcfg or {}).get("num_hidden_layers") or cfg.get("target_num_layers")
+    extra: dict = {}
     if fmt == "sglang-eagle3":
-        if cfg["num_layers"] != 1:
-            raise ValueError(f"sglang-eagle3 takes single-layer heads (SGLang and TensorRT-LLM name further "
-                             f"layers differently); this head has {cfg['num_layers']}: use --format vllm-eagle3")
-        if min(aux) < 1:
-            raise ValueError(f"aux layer ids {aux} include the embeddings (input of layer 0), which SGLang's "
-                             "output-of-layer ids cannot express")
-        state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in state.items()}
-        config = {**_layer_fields(cfg), "architectures": ["LlamaForCausalLMEagle3"],
-                  "draft_vocab_size": cfg["draft_vocab_size"], "target_hidden_size": cfg["target_hidden_size"],
-                  # SGLang captures the input of layer id+1 for each id: write output-of-layer ids
-                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": written,
-                                   "use_aux_hidden_state": True}, "torch_dtype": dtype}
+        config, state = _sglang_config(cfg, state, aux, dtype, n_layers)
+        need, default = trtllm_capture(aux, n_layers)
+        extra = {"trtllm_eagle3_layers_to_capture": need}
+        if need != default:
+            warnings.append(f"TensorRT-LLM: set eagle3_layers_to_capture={set(need)} in its EAGLE-3 decoding config "
+                            f"(its default for this target is {set(default) if default else 'unknown here'}; it "
+                            "ignores the ids in config.json)")
     else:
-        verifier = {"name_or_path": target, "architectures": (tcfg or {}).get("architectures", [])}
-        config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-                  "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _layer_fields(cfg),
-                  "draft_vocab_size": cfg["draft_vocab_size"], "target_hidden_size": cfg["target_hidden_size"],
-                  "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": aux,
-                  "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
-                                         "proposal_methods": [{"proposal_type": "greedy", "verifier_accept_k": 1,
-                                                               "speculative_tokens": int(cfg.get("ttt_steps", 3)),
-                                                               "accept_tolerance": 0.0}],
-                                         "verifier": verifier},
-                  "torch_dtype": dtype, "tie_word_embeddings": False}
+        config = _vllm_config(cfg, aux, dtype, target, tcfg)
+        state, more = _with_embedding(state, cfg, target, dtype)
+        warnings += more
+        if "embed_tokens.weight" in state:
+            extra = {"embed_tokens_bytes": state["embed_tokens.weight"].numel() * state["embed_tokens.weight"].element_size()}
     with staged(out, fmt, FORMAT_VALIDATORS[fmt]) as tmp:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
-    return summary(fmt, src, out, target, warnings, {"aux_layer_ids_written": written, "tensors": len(state)})
+        if fmt == "sglang-eagle3":
+            (tmp / "README.md").write_text(_trtllm_readme(*trtllm_capture(aux, n_layers)))
+    written = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] if fmt == "sglang-eagle3" else aux
+    return summary(fmt, src, out, target, warnings, {"aux_layer_ids_written": written, "tensors": len(state), **extra})
 
 
 def export_vllm_eagle3(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False) -> dict:
@@ -116,6 +196,11 @@ def _eagle3_spec(d: dict, layer: Callable[[int], str]) -> Spec:
                      f"{p}.post_attention_layernorm.weight": ((h,), "float")})
         if n == 0:
             spec[f"{p}.hidden_norm.weight"] = ((h,), "float")
+    n_aux = len(d["aux"])
+    if d["flags"]["norm_before_fc"]:
+        spec["input_norm.weight"] = ((n_aux * d["Ht"],), "float")
+    if d["flags"]["fc_norm"]:
+        spec.update({f"fc_norm.{i}.weight": ((d["Ht"],), "float") for i in range(n_aux)})
     return spec
 
 
@@ -143,7 +228,8 @@ def _dims(config: dict, sglang: bool) -> dict:
     h, nh = layer["hidden_size"], layer["num_attention_heads"]
     return {"H": h, "Ht": config.get("target_hidden_size") or h, "D": config["draft_vocab_size"],
             "V": layer["vocab_size"], "L": layer["num_hidden_layers"], "nh": nh, "I": layer["intermediate_size"],
-            "nkv": layer.get("num_key_value_heads") or nh, "hd": layer.get("head_dim") or h // nh, "aux": list(aux)}
+            "nkv": layer.get("num_key_value_heads") or nh, "hd": layer.get("head_dim") or h // nh, "aux": list(aux),
+            "flags": layout({} if sglang else config)}
 
 
 def _sglang_problems(config: dict, d: dict) -> list[str]:
@@ -163,8 +249,10 @@ def _speculators_problems(config: dict) -> list[str]:
     problems, sc = [], config["speculators_config"]
     if config.get("speculators_model_type") != "eagle3" or sc.get("algorithm") != "eagle3":
         problems.append("speculators_model_type and speculators_config.algorithm must be 'eagle3'")
-    if not isinstance(config.get("norm_before_residual"), bool):
-        problems.append("norm_before_residual must be given explicitly (vLLM assumes true when absent)")
+    unset = [k for k in LAYOUT_FLAGS if not isinstance(config.get(k), bool)]
+    if unset:
+        problems.append(f"layout flags {unset} must be given explicitly (vLLM assumes norm_before_residual=true "
+                        "when absent; speculators reads all four)")
     if not config["transformer_layer_config"].get("model_type") or not config.get("architectures"):
         problems.append("transformer_layer_config.model_type and architectures are required")
     if not sc["verifier"].get("name_or_path") or int(sc["proposal_methods"][0]["speculative_tokens"]) < 1:
@@ -180,6 +268,8 @@ def _validate_eagle3(out_dir, sglang: bool) -> list[str]:
         aux = d["aux"]
         if len(aux) != 3 or len(set(aux)) != 3 or min(aux) < 0:
             problems.append(f"aux layer ids {aux}: vLLM and SGLang expect 3 distinct ids >= 0 (fc is 3*target_hidden wide)")
+        elif aux != sorted(aux):
+            problems.append(f"aux layer ids {aux} are not ascending: engines feed fc the layers in ascending order")
         if d["H"] != d["Ht"] and "embed_tokens.weight" not in tensors:
             problems.append(f"hidden_size {d['H']} != target_hidden_size {d['Ht']} needs the draft's own embed_tokens")
         spec = _eagle3_spec(d, (lambda n: "midlayer") if sglang else (lambda n: f"layers.{n}"))

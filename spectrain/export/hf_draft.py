@@ -14,7 +14,15 @@ from pathlib import Path
 
 import torch
 
-from spectrain.export.common import CONFIG_NAME, check_out, read_config, staged, summary
+from spectrain.export.common import (
+    CONFIG_NAME,
+    check_out,
+    read_config,
+    rope_keys,
+    staged,
+    summary,
+    write_json,
+)
 
 HF_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
             "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
@@ -41,7 +49,23 @@ def export_hf_draft(src_dir, out_dir, target_name: str | None = None, *, overwri
     with staged(out, "hf-draft", validate_hf_draft) as tmp:
         for f in files:
             shutil.copy2(f, tmp / f.name)
+        _both_rope_styles(tmp / "config.json")
     return summary("hf-draft", src, out, target, warnings, {"skipped": skipped})
+
+
+def _both_rope_styles(file: Path) -> None:
+    """Write rope_theta/rope_scaling next to rope_parameters (and vice versa), same RoPE, in every text config."""
+    config = json.loads(file.read_text())
+    for sub in (config, config.get("text_config")):
+        if not isinstance(sub, dict):
+            continue
+        rope = sub.get("rope_parameters")
+        if not rope and "rope_theta" in sub:  # a transformers-4 config: build the 5.x form from it
+            rope = {**(sub.get("rope_scaling") or {}), "rope_theta": sub["rope_theta"]}
+            rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+        if isinstance(rope, dict) and "rope_theta" in rope:  # flat (not per-layer-type) RoPE only
+            sub.update(rope_keys(rope))
+    write_json(file, config)
 
 
 def _check_same_vocab(draft: Path, target: Path) -> None:

@@ -6,13 +6,19 @@
   ``lm_heads.{i}.weight`` -- spectrain's own names.
 - medusa: ``medusa_lm_head.safetensors`` with ``{i}.{j}.linear.weight/bias`` and ``{i}.{L}.weight``
   (the vocab projection after L ResBlocks); ``config.json`` with ``medusa_num_heads``,
-  ``medusa_num_layers``, ``base_model_name_or_path``.
+  ``medusa_num_layers``, ``base_model_name_or_path``. The same tensors also go to ``medusa_lm_head.pt``
+  (a ``torch.save``d dict of tensors, loadable with ``weights_only=True``): FasterDecoding's loader and older
+  TensorRT-LLM converters read only that file. FasterDecoding's ``MedusaModel.from_pretrained`` builds 5 heads
+  whatever the config says and loads with ``strict=False``, and builds a head's ResBlocks as ONE shared
+  module: an export with another head count, or more than one ResBlock per head, loads there without an
+  error and computes something else, so the export warns by name.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from spectrain.export.common import (
@@ -32,6 +38,8 @@ from spectrain.export.common import (
 )
 
 MEDUSA_FILE = "medusa_lm_head.safetensors"
+MEDUSA_PT = "medusa_lm_head.pt"
+FASTERDECODING_HEADS = 5  # FasterDecoding/Medusa from_pretrained sets medusa_num_heads = 5
 VLLM_MEDUSA_NAMES = ("blocks.{i}.layers.{j}.weight", "blocks.{i}.layers.{j}.bias", "lm_heads.{i}.weight")
 ORIG_MEDUSA_NAMES = ("{i}.{j}.linear.weight", "{i}.{j}.linear.bias", "{i}.{L}.weight")
 
@@ -68,10 +76,31 @@ def _export_medusa(fmt: str, src_dir, out_dir, target_name: str | None, overwrit
                            "vocab_size": v, "num_heads": k, "num_hidden_layers": n, "medusa_fc_bias": True,
                            "truncated_vocab_size": v, "original_lm_head": False,
                            "base_model_name_or_path": target, "torch_dtype": dtype_name(state)}, WEIGHTS_NAME
+    if fmt == "medusa":
+        warnings += fasterdecoding_warnings(k, n)
     with staged(out, fmt, validate_medusa if fmt == "medusa" else validate_vllm_medusa) as tmp:
         save_file(tensors, str(tmp / weights), metadata={"format": "pt"})
+        if fmt == "medusa":
+            torch.save(tensors, tmp / MEDUSA_PT)
         write_json(tmp / "config.json", config)
     return summary(fmt, src, out, target, warnings, {"tensors": len(tensors)})
+
+
+def fasterdecoding_warnings(k: int, n: int) -> list[str]:
+    """What FasterDecoding's loader (5 heads, strict=False, one ResBlock object per head) would do to this head."""
+    out = []
+    if k < FASTERDECODING_HEADS:
+        out.append(f"FasterDecoding/Medusa builds {FASTERDECODING_HEADS} heads and loads with strict=False: heads "
+                   f"{k}..{FASTERDECODING_HEADS - 1} of this {k}-head export would stay at their initialisation there "
+                   "(TensorRT-LLM reads medusa_num_heads and is fine); train 5 heads for that loader")
+    elif k > FASTERDECODING_HEADS:
+        out.append(f"FasterDecoding/Medusa builds {FASTERDECODING_HEADS} heads: heads {FASTERDECODING_HEADS}.."
+                   f"{k - 1} of this {k}-head export would be ignored there")
+    if n > 1:
+        out.append(f"FasterDecoding/Medusa shares ONE ResBlock object across a head's {n} layers, so the last "
+                   f"layer's weights would overwrite the others there (a different function); only "
+                   "num_resblocks: 1 round-trips through that loader (TensorRT-LLM keeps distinct layers)")
+    return out
 
 
 def export_vllm_medusa(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False) -> dict:
@@ -122,6 +151,21 @@ def validate_medusa(out_dir) -> list[str]:
             h, v = bias[0] if bias else min(min(m) for m in mats), max(max(m) for m in mats)
         else:
             return problems + [f"{MEDUSA_FILE} holds no weight matrices"]
-        return problems + check_tensors(tensors, _medusa_spec(k, n, h, v, ORIG_MEDUSA_NAMES))
+        problems += check_tensors(tensors, _medusa_spec(k, n, h, v, ORIG_MEDUSA_NAMES))
+        return problems + _pt_problems(Path(out_dir), tensors)
 
     return problems_of(check)
+
+
+def _pt_problems(out: Path, tensors: dict) -> list[str]:
+    """medusa_lm_head.pt must hold exactly the safetensors' tensors (what FasterDecoding / older TRT-LLM read)."""
+    if not (out / MEDUSA_PT).is_file():
+        return [f"missing {MEDUSA_PT} (FasterDecoding's loader and older TensorRT-LLM read only that file)"]
+    try:
+        pt = torch.load(out / MEDUSA_PT, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the finding
+        return [f"{MEDUSA_PT} is not a loadable tensors-only state dict: {e}"]
+    if not isinstance(pt, dict) or set(pt) != set(tensors):
+        return [f"{MEDUSA_PT} holds other tensor names than {MEDUSA_FILE}"]
+    bad = [name for name, t in tensors.items() if not torch.equal(pt[name], t)]
+    return [f"{MEDUSA_PT} differs from {MEDUSA_FILE} in {bad[:3]}"] if bad else []

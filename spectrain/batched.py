@@ -1,0 +1,292 @@
+"""Batched lossless speculative decoding: B rows share every target verification pass.
+
+``speculative_generate(..., batch_size=B)`` lands here. Rows are taken in chunks of B; inside a
+chunk every step runs ONE target forward over ``[B, 1 + n_max]`` tokens (each row's last committed
+token + its drafted nodes, padded to the longest proposal of the step) and each row accepts its own
+number of tokens (ragged acceptance) with the same rules as batch size 1 (spectrain/acceptance.py).
+
+Target cache: one HF ``DynamicCache`` of shape ``[B, heads, S, dim]``. Every step appends the same
+q = 1 + n_max slots to every row; ``slot_pos[b, s]`` is the logical position held by slot s of row
+b, or -1 for a hole (left padding of the prefill, padded nodes, rejected nodes). The attention mask
+is built here as a 4-D ``[B, 1, q, S + q]`` tensor, which HF models take as-is: a query attends to
+its row's valid past slots (inside the sliding window, when the model has a uniform one), to its
+tree ancestors among this step's nodes and to itself. Position ids are explicit per row, so holes
+cost nothing but memory; the cache is compacted (valid slots gathered, left padded) when holes
+outnumber valid slots. Rows that stop (eos or max_new_tokens) leave the batch: their cache rows are
+dropped and the drafter is told (``Drafter.keep_rows``), so nothing is ever re-padded per step.
+
+The per-row invariant is batch size 1's (decoding.py): the valid slots of row b hold ``tokens[:-1]``.
+Drafters see the per-row contract of spectrain/drafters/base.py through ``propose_batch`` (default:
+one independent copy of the drafter per row; EAGLE-3 chains run all rows in one head forward).
+
+Statistics are per row (one ``DecodeStats`` per output, aggregated with ``DecodeStats.merge`` as
+for batch size 1). Shared step time is split evenly over the rows active in that step, so summed
+``target_time_s`` / ``draft_time_s`` equal the batch's; a row's ``wall_time_s`` is its latency from
+the start of its chunk to its last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from spectrain.acceptance import accept_chain, accept_tree
+from spectrain.drafters.base import DraftContext
+
+
+@dataclass
+class _Row:
+    tokens: list[int]
+    stats: object
+    pending: list = field(default_factory=list)  # TargetFeatures not yet handed to the drafter
+    emitted: list[int] = field(default_factory=list)
+    stop: str = "length"
+    done: bool = False
+
+
+def generate_batched(target, drafter, rows: list[list[int]], max_new: int, k: int, sampler, eos: set[int],
+                     tree: dict | None, batch_size: int) -> list:
+    """All rows, ``batch_size`` at a time; returns one ``SpecOutput`` per row, in order."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive integer (rows decoded together), got {batch_size!r}")
+    outs = []
+    for i in range(0, len(rows), batch_size):
+        outs += _generate_chunk(target, drafter, rows[i: i + batch_size], max_new, k, sampler, eos, tree)
+    return outs
+
+
+def _generate_chunk(target, drafter, prompts, max_new, k, sampler, eos, tree) -> list:
+    from spectrain.decoding import DecodeStats, SpecOutput, _now
+
+    dev = target.device
+    aux_layers = list(getattr(drafter, "aux_layers", []) or []) if drafter is not None else []
+    want_final = bool(drafter is not None and getattr(drafter, "needs_final_hidden", False))
+    want_feats = bool(aux_layers) or want_final
+    rows = [_Row(tokens=list(p), stats=DecodeStats(k=k, sequences=1, prefill_tokens=len(p))) for p in prompts]
+    for r in rows:
+        r.stats._grow(k)
+    active = list(range(len(rows)))  # indices of rows still decoding, in batch order
+    t_start = _now(dev)
+    if drafter is not None:
+        drafter.begin_batch([torch.tensor(p, device=dev) for p in prompts])
+        _share(rows, active, "draft_time_s", _now(dev) - t_start)
+    t0 = _now(dev)
+    cache, slot_pos = _prefill(target, rows, aux_layers, want_final, want_feats)
+    _share(rows, active, "target_time_s", _now(dev) - t0)
+    while active:
+        step = _Step(target, drafter, [rows[i] for i in active], k, max_new, sampler, tree, eos)
+        t0 = _now(dev)
+        step.propose()
+        _share(rows, active, "draft_time_s", _now(dev) - t0)
+        t0 = _now(dev)
+        new_pos = step.verify(cache, slot_pos, aux_layers, want_final, want_feats)
+        slot_pos = torch.cat([slot_pos, new_pos], 1)
+        _share(rows, active, "target_time_s", _now(dev) - t0)
+        t0 = _now(dev)
+        step.commit()
+        _share(rows, active, "draft_time_s", _now(dev) - t0)
+        now = _now(dev)
+        for i in active:
+            if rows[i].done:
+                rows[i].stats.wall_time_s = now - t_start
+        keep = [j for j, i in enumerate(active) if not rows[i].done]
+        if len(keep) < len(active):
+            active = [active[j] for j in keep]
+            if not active:
+                break
+            slot_pos = _select_rows(cache, slot_pos, keep)
+            if drafter is not None:
+                drafter.keep_rows(keep)
+        slot_pos = _maybe_compact(cache, slot_pos)
+    return [SpecOutput(tokens=r.emitted, stats=r.stats, stop_reason=r.stop) for r in rows]
+
+
+def _share(rows, active, name: str, seconds: float) -> None:
+    for i in active:
+        setattr(rows[i].stats, name, getattr(rows[i].stats, name) + seconds / len(active))
+
+
+# ---------------------------------------------------------------------------------------------
+# one step
+
+
+class _Step:
+    """Propose for every active row, verify them in one target pass, accept per row."""
+
+    def __init__(self, target, drafter, rows, k, max_new, sampler, tree, eos):
+        self.target, self.drafter, self.rows, self.k = target, drafter, rows, k
+        self.max_new, self.sampler, self.tree, self.eos = max_new, sampler, tree, eos
+        self.props: list = [None] * len(rows)
+        self.keep_idx: list[list[int]] = [[] for _ in rows]
+        self.paths: list[list[int]] = [[] for _ in rows]
+
+    def propose(self) -> None:
+        from spectrain.decoding import _clip, _concat_features
+
+        if self.drafter is None:
+            return
+        dev = self.target.device
+        ctxs = []
+        for r in self.rows:
+            limit = min(self.k, self.max_new - len(r.emitted) - 1)  # never draft past the token budget
+            if limit <= 0:
+                ctxs.append(None)
+                continue
+            ctxs.append(DraftContext(tokens=torch.tensor(r.tokens, device=dev), k=limit, sampler=self.sampler,
+                                     features=_concat_features(r.pending), tree=self.tree))
+            r.pending = []
+        self.ctxs = ctxs
+        for j, (ctx, prop) in enumerate(zip(ctxs, self.drafter.propose_batch(ctxs))):
+            if ctx is not None:
+                self.props[j], self.keep_idx[j] = _clip(prop, ctx.k, self.target.vocab_size)
+
+    def verify(self, cache, slot_pos, aux_layers, want_final, want_feats) -> torch.Tensor:
+        """The batch's verification pass; returns the new slots' positions [B, q] (-1 = hole)."""
+        from spectrain.decoding import _cut, _depths, _features, _record_step
+
+        dev = self.target.device
+        B = len(self.rows)
+        sizes = [len(p) if p is not None else 0 for p in self.props]
+        q = 1 + max(sizes)
+        ids = torch.zeros(B, q, dtype=torch.long, device=dev)
+        depth = torch.zeros(B, q, dtype=torch.long, device=dev)
+        anc = torch.eye(q, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # [B, q, q] tree structure
+        for b, (r, p) in enumerate(zip(self.rows, self.props)):
+            ids[b, 0] = r.tokens[-1]
+            if p is None:
+                continue
+            n = len(p)
+            ids[b, 1: n + 1] = p.tokens.to(dev)
+            parents = list(range(-1, n - 1)) if p.is_chain else p.parents.tolist()
+            depth[b, 1: n + 1] = torch.tensor(_depths(parents), device=dev)
+            for i, par in enumerate(parents):
+                anc[b, i + 1] |= anc[b, par + 1]
+        P = torch.tensor([len(r.tokens) - 1 for r in self.rows], device=dev)
+        qpos = P[:, None] + depth
+        mask = _mask(self.target, slot_pos, qpos, anc, torch.tensor(sizes, device=dev))
+        out = self.target.forward(ids, position_ids=qpos, attention_mask=mask, cache=cache, aux_layers=aux_layers,
+                                  want_final_hidden=want_final, use_cache=True)
+        new_pos = torch.full((B, q), -1, dtype=torch.long, device=dev)
+        for b, (r, p) in enumerate(zip(self.rows, self.props)):
+            rule = accept_chain if p is None or p.is_chain else accept_tree
+            path, new, outcomes = rule(out.logits[b, : 1 + sizes[b]], p, self.sampler)
+            path, new, outcomes, stop = _cut(path, new, outcomes, self.max_new - len(r.emitted), self.eos)
+            Pb = int(P[b])
+            new_pos[b, 0] = Pb
+            for j, i in enumerate(path):
+                new_pos[b, 1 + i] = Pb + 1 + j
+            if want_feats:
+                r.pending.append(_features(out, Pb, [0] + [1 + i for i in path], b))
+            _record_step(r.stats, p, outcomes, new)
+            r.tokens.extend(new)
+            r.emitted.extend(new)
+            self.paths[b] = path
+            if stop or len(r.emitted) >= self.max_new:
+                r.done, r.stop = True, stop or "length"
+        return new_pos
+
+    def commit(self) -> None:
+        if self.drafter is None:
+            return
+        self.drafter.commit_batch([None if ctx is None else [keep[i] for i in path]
+                                   for ctx, keep, path in zip(self.ctxs, self.keep_idx, self.paths)])
+
+
+# ---------------------------------------------------------------------------------------------
+# masks and the cache
+
+
+def _mask(target, slot_pos: torch.Tensor, qpos: torch.Tensor, anc: torch.Tensor, sizes: torch.Tensor):
+    """[B, 1, q, S + q]: valid past slots (inside a uniform sliding window), tree ancestors, itself.
+    Padded nodes (index > the row's proposal size) see only themselves: finite, and never seen."""
+    from spectrain.decoding import _as_attn_mask, _uniform_sliding_window
+
+    B, q = qpos.shape
+    real = torch.arange(q, device=qpos.device)[None, :] <= sizes[:, None]  # [B, q]
+    past = (slot_pos >= 0)[:, None, :] & real[:, :, None]  # [B, q, S]
+    span = int(qpos.max()) + 1
+    window = _uniform_sliding_window(target.config, span)
+    if window is not None:
+        past &= (qpos[:, :, None] - slot_pos[:, None, :]) < window
+        anc = anc & ((qpos[:, :, None] - qpos[:, None, :]) < window)
+    mask = torch.cat([past, anc & real[:, None, :]], -1)
+    mask |= torch.cat([torch.zeros_like(past), torch.eye(q, dtype=torch.bool, device=qpos.device).expand(B, q, q)],
+                      -1)
+    return _as_attn_mask(target, mask[:, None])
+
+
+def _prefill(target, rows, aux_layers, want_final, want_feats):
+    """Feed every row's prompt[:-1], left padded; returns (cache, slot_pos [B, S])."""
+    from transformers import DynamicCache
+
+    from spectrain.decoding import _as_attn_mask, _features, _uniform_sliding_window
+
+    dev = target.device
+    B = len(rows)
+    lens = [len(r.tokens) - 1 for r in rows]
+    L = max(lens)
+    cache = DynamicCache()
+    slot_pos = torch.full((B, L), -1, dtype=torch.long, device=dev)
+    if L == 0:
+        return cache, slot_pos
+    ids = torch.zeros(B, L, dtype=torch.long, device=dev)
+    for b, (r, n) in enumerate(zip(rows, lens)):
+        ids[b, L - n:] = torch.tensor(r.tokens[:-1], device=dev)
+        slot_pos[b, L - n:] = torch.arange(n, device=dev)
+    pos = slot_pos.clamp_min(0)
+    valid = slot_pos >= 0
+    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+    mask = causal[None] & valid[:, None, :] & valid[:, :, None]
+    mask |= torch.eye(L, dtype=torch.bool, device=dev)[None]  # pad queries see themselves: no NaN rows
+    window = _uniform_sliding_window(target.config, L)
+    if window is not None:
+        mask &= (pos[:, :, None] - pos[:, None, :]) < window
+    out = target.forward(ids, position_ids=pos, attention_mask=_as_attn_mask(target, mask[:, None]), cache=cache,
+                         aux_layers=aux_layers, want_final_hidden=want_final, want_logits=False, use_cache=True)
+    if want_feats:
+        for b, (r, n) in enumerate(zip(rows, lens)):
+            if n:
+                r.pending.append(_features(out, 0, list(range(L - n, L)), b))
+    return out.cache, slot_pos
+
+
+def _layers(cache):
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
+            yield layer
+
+
+def _select_rows(cache, slot_pos: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    idx = torch.tensor(keep, device=slot_pos.device)
+    for layer in _layers(cache):
+        layer.keys, layer.values = layer.keys.index_select(0, idx), layer.values.index_select(0, idx)
+    return slot_pos.index_select(0, idx)
+
+
+def compact_order(slot_pos: torch.Tensor, min_holes: int = 16) -> torch.Tensor | None:
+    """Slot indices [B, n] that gather each row's valid slots in order (left padded with holes), or
+    None while holes do not yet outnumber the valid slots (then compaction would not pay)."""
+    valid = slot_pos >= 0
+    n = int(valid.sum(1).max())
+    S = slot_pos.shape[1]
+    if S - n < max(n, min_holes):
+        return None
+    # stable: holes first (they become the left padding), then the valid slots in their original order
+    return torch.argsort(valid.long() * S + torch.arange(S, device=slot_pos.device)[None], dim=1)[:, S - n:]
+
+
+def gather_slots(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """t [B, heads, S, dim] -> [B, heads, n, dim] at the slots `order` [B, n]."""
+    return t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
+
+
+def _maybe_compact(cache, slot_pos: torch.Tensor) -> torch.Tensor:
+    order = compact_order(slot_pos)
+    if order is None:
+        return slot_pos
+    for layer in _layers(cache):
+        layer.keys, layer.values = gather_slots(layer.keys, order), gather_slots(layer.values, order)
+        if hasattr(layer, "cumulative_length"):
+            layer.cumulative_length = layer.keys.shape[-2]
+    return slot_pos.gather(1, order)

@@ -1,0 +1,89 @@
+"""The roofline prediction (spectrain/roofline.py) and the crossover computation."""
+
+from __future__ import annotations
+
+import pytest
+
+from spectrain.roofline import (
+    GPUS,
+    Accelerator,
+    ModelCost,
+    Speculation,
+    accelerator,
+    crossover,
+    curve,
+    eagle3_cost,
+    expected_tau,
+    measure_cpu_peaks,
+    predicted_speedup,
+    target_cost,
+)
+
+LLAMA_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, num_hidden_layers=32,
+                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+def test_llama_8b_costs_from_config():
+    t = target_cost(LLAMA_8B)
+    # 8.03B parameters in all; the input embedding table (128256 x 4096) is looked up, not read whole
+    assert t.params + 128256 * 4096 == pytest.approx(8.03e9, rel=0.01)
+    assert t.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2 == 131072  # 128 KiB per token in bf16
+    assert eagle3_cost(LLAMA_8B).params == pytest.approx(0.42e9, rel=0.02)
+
+
+def test_memory_bound_limit_is_tau_over_one_plus_kc():
+    acc = GPUS["H100"]
+    t = target_cost(LLAMA_8B)
+    free = Speculation(tau=2.7, verify_tokens=6)
+    assert predicted_speedup(t, free, acc, 1, 0) == pytest.approx(2.7)  # free drafter, no KV: exactly tau
+    head = eagle3_cost(LLAMA_8B)
+    spec = Speculation(tau=2.7, verify_tokens=6, draft=head, draft_forwards=5)
+    c = head.time(acc, 1, 1, 0) / t.time(acc, 1, 1, 0)
+    assert 0.03 < c < 0.1
+    assert predicted_speedup(t, spec, acc, 1, 0) == pytest.approx(2.7 / (1 + 5 * c))
+
+
+def test_speedup_falls_with_batch_size_towards_tau_over_t():
+    t = target_cost(LLAMA_8B)
+    for verify, tau in ((6, 2.7), (33, 3.5)):  # a chain k=5 and a 32-node tree
+        spec = Speculation(tau=tau, verify_tokens=verify, draft=eagle3_cost(LLAMA_8B), draft_forwards=5)
+        ups = curve(t, spec, GPUS["H100"], BATCHES, context=0)["predicted_speedup"]
+        assert all(a >= b - 1e-12 for a, b in zip(ups, ups[1:])), ups
+        big = predicted_speedup(t, spec, GPUS["H100"], 1 << 16, 0)
+        assert big < 1 and big == pytest.approx(tau / verify, rel=0.25)
+    chain = curve(t, Speculation(2.7, 6, eagle3_cost(LLAMA_8B), 5), GPUS["H100"], BATCHES, 1024)
+    tree = curve(t, Speculation(3.5, 33, eagle3_cost(LLAMA_8B), 5, 4), GPUS["H100"], BATCHES, 1024)
+    assert tree["crossover"] < chain["crossover"]  # trees stop paying first
+
+
+def test_crossover_on_a_synthetic_throughput_table():
+    assert crossover([1, 2, 4, 8, 16], [1.6, 1.4, 1.1, 0.9, 0.7]) == 4
+    assert crossover([1, 4, 16], [0.9, 0.8, 0.5]) is None
+    assert crossover([1, 2, 4, 8], [1.2, 0.95, 1.02, 0.8]) == 4  # the largest B that still wins
+    assert crossover([1, 2], [None, 1.3]) == 2
+
+
+def test_expected_tau_and_accelerators():
+    assert expected_tau([0.5, 0.5]) == pytest.approx(1.75)
+    assert expected_tau([0.8, None, 1.0]) == pytest.approx(1.8)
+    assert accelerator("h100").bandwidth == 3.35e12
+    custom = accelerator(None, 1e12, 100e12)
+    assert (custom.bandwidth, custom.flops) == (1e12, 100e12)
+    assert accelerator("A100", flops=200e12).flops == 200e12
+    with pytest.raises(ValueError, match="unknown --gpu"):
+        accelerator("TPU9")
+    with pytest.raises(ValueError, match="--gpu-bandwidth"):
+        accelerator(None, 1e12, None)
+
+
+def test_model_cost_roofline_regimes():
+    m = ModelCost(weight_bytes=1e9, params=5e8, kv_bytes_per_token=0)
+    acc = Accelerator("x", 1e12, 1e14)
+    assert m.time(acc, 1, 1, 0) == pytest.approx(1e-3)  # memory-bound: bytes / bandwidth
+    assert m.time(acc, 1000, 1, 0) == pytest.approx(1000 * 1e9 / 1e14)  # compute-bound: FLOPs / peak
+
+
+def test_cpu_peaks_are_measured():
+    cpu = measure_cpu_peaks(mb=16, n=256, repeats=1)
+    assert cpu.bandwidth > 1e8 and cpu.flops > 1e8 and "measured" in cpu.name

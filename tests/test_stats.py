@@ -1,0 +1,74 @@
+"""spectrain.stats: bootstrap intervals over prompts, paired differences, target-loop statistics; and the
+eval record fields built from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from spectrain import stats
+
+
+def test_ratio_ci_brackets_the_ratio_and_shrinks_with_more_prompts():
+    tokens, passes = [10, 30, 8, 20, 12, 25], [8, 10, 7, 9, 9, 10]
+    lo, hi = stats.ratio_ci(tokens, passes)
+    point = sum(tokens) / sum(passes)
+    assert lo < point < hi
+    wide = hi - lo
+    lo4, hi4 = stats.ratio_ci(tokens * 4, passes * 4)  # the same prompts, 4x as many
+    assert lo4 < point < hi4 and (hi4 - lo4) < 0.7 * wide
+    assert stats.ratio_ci([6, 9, 3], [2, 3, 1]) == pytest.approx([3.0, 3.0])  # every prompt has tau 3
+    assert stats.ratio_ci([], []) == [None, None]
+    with pytest.raises(ValueError, match="same"):
+        stats.ratio_ci([1, 2], [1])
+
+
+def test_alpha_columns_with_a_position_never_verified():
+    acc = [[3, 0, 0], [1, 1, 0], [2, 0, 0]]
+    att = [[4, 1, 0], [2, 1, 0], [4, 0, 0]]
+    ci = stats.ratio_ci(acc, att)
+    assert len(ci) == 3 and ci[0][0] <= 0.6 <= ci[0][1] and ci[2] == [None, None]
+    out = stats.decode_intervals([9, 7, 8], [5, 4, 4], acc, att, [15, 12, 12], k=4)
+    assert len(out["alpha_ci"]) == 4 and out["per_prompt"] == {"tokens": [9, 7, 8], "passes": [5, 4, 4]}
+    assert out["tau_ci"][0] <= 24 / 13 <= out["tau_ci"][1] and out["ci_level"] == 0.95
+
+
+def test_paired_difference_is_tighter_than_the_marginals():
+    passes = [10, 10, 10, 10, 10, 10, 10, 10]
+    a = [12, 30, 15, 25, 11, 28, 14, 26]  # prompts differ a lot ...
+    b = [x - 1 for x in a]  # ... but b is always 1 token behind a
+    point, (lo, hi) = stats.paired_diff_ci(a, passes, b, passes)
+    assert point == pytest.approx(0.1) and lo == pytest.approx(0.1) and hi == pytest.approx(0.1)
+    la, ha = stats.ratio_ci(a, passes)
+    assert ha - la > 0.5  # marginal intervals overlap although b is worse on every prompt
+    with pytest.raises(ValueError, match="same n"):
+        stats.paired_diff_ci(a, passes, b[:3], passes[:3])
+
+
+def test_repeated_4grams_and_the_loop_flag():
+    loop = [5, 6, 7, 8] * 6  # 21 4-grams, 4 distinct
+    assert stats.repeated_ngram_share(loop) == (17, 21)
+    assert stats.repeated_ngram_share([1, 2, 3]) == (0, 0)
+    assert stats.repeated_ngram_share(list(range(10))) == (0, 7)
+    s = stats.loop_stats([loop, list(range(10))])
+    assert s["target_mean_tokens"] == 17.0 and s["target_repeated_4gram_share"] == pytest.approx(17 / 28)
+    assert s["target_loops_dominate"] is True
+    assert stats.loop_stats([list(range(30))])["target_loops_dominate"] is False
+
+
+def test_record_carries_intervals_and_loop_columns():
+    from spectrain.decoding import DecodeStats
+    from spectrain.evaluate import DecodeConfig, PromptSet
+    from spectrain.report import interval_table, make_record, summary_table
+
+    per = [DecodeStats(k=2, attempts=[4, 2], accepts=[2, 1], drafted=8, target_passes=4, emitted=7),
+           DecodeStats(k=2, attempts=[6, 4], accepts=[4, 2], drafted=12, target_passes=6, emitted=12)]
+    merged = DecodeStats.merge(per)
+    res = {"stats": merged, "prompt_stats": per, "tokens": 19, "seconds": 1.0, "outputs": [[1] * 7, [2] * 12]}
+    base = {"tokens": 19, "seconds": 1.0, "outputs": [[1, 2, 3, 4] * 3, [9] * 7]}
+    r = make_record("d", DecodeConfig(2, None, 1.0), PromptSet("p", "OOD", [[]] * 2, "t"), res, base, None)
+    assert r["tau_ci"][0] <= r["tau"] <= r["tau_ci"][1] and len(r["alpha_ci"]) == 2
+    assert r["target_mean_tokens"] == 9.5 and r["target_repeated_4gram_share"] == pytest.approx(8 / 13)
+    assert r["target_loops_dominate"] is True
+    row = summary_table([r], {}).splitlines()[2]
+    assert f"{r['tau']:.2f} [{r['tau_ci'][0]:.2f}, {r['tau_ci'][1]:.2f}]" in row and "62% LOOPS" in row
+    assert "0.60 [" in interval_table([r])

@@ -1,0 +1,146 @@
+"""Trackers: training namespaces, bookkeeping in the config, one wandb run across a resume; eval scalars
+per (drafter, decode, prompt set) read back from the offline wandb run and from tensorboard files."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from test_evaluate import workdir  # noqa: F401  (a fixture: tiny target, recipe, prompt files)
+from test_train import fake, make_rows, tiny_recipe  # noqa: F401  (fake is a fixture)
+from wandb_offline import read_run
+
+from spectrain import train as T
+from spectrain.cli import main as cli_main
+from spectrain.eval_tracking import cell_key, drafter_label, scalars
+from spectrain.tracking import metric_key, split_record
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+
+
+def test_metric_keys_and_bookkeeping():
+    assert [metric_key(k) for k in ("loss", "acc_2", "sim_tau", "lr", "tokens_per_s", "eval/acc_0", "epoch", "step")] \
+        == ["train/loss", "train/acc_2", "train/sim_tau_proxy", "train/lr", "train/tokens_per_s", "eval/acc_0",
+            None, None]
+    metrics, book = split_record({"step": 3, "split": "heldout", "heldout_rows": 13, "eval/sim_tau_proxy": 1.5,
+                                  "eval/acc_0": 0.25, "wall_s": 2.0, "skipped": 1, "interrupted_by": None,
+                                  "eval/loss_tokens": 99.0})
+    assert metrics == {"eval/sim_tau_proxy": 1.5, "eval/acc_0": 0.25, "train/skipped": 1}
+    assert book == {"run/heldout_rows": 13, "run/wall_s": 2.0, "run/heldout_loss_tokens": 99.0}
+
+
+def _records():
+    base = {"k": 3, "tree": None, "temperature": 0.0, "n_prompts": 2, "tau": 1.8, "acceptance_rate": 0.3,
+            "measured_speedup": 0.9, "predicted_speedup": 1.5, "tokens_per_s": 100.0}
+    return [{**base, "drafter": "ngram", "prompt_set": "heldout", "split": "held-out", "alpha": [0.5, 0.4, None]},
+            {**base, "drafter": "ngram", "prompt_set": "spec_bench/rag", "split": "OOD", "alpha": [0.6, None, None],
+             "tree": {"topk": 4, "depth": 3, "total_tokens": 8}, "temperature": 1.0}]
+
+
+def test_eval_scalar_keys(tmp_path):
+    recs = _records()
+    assert cell_key(recs[0]) == "ngram/k3_T0/heldout/heldout"
+    assert cell_key(recs[1]) == "ngram/tree4x3x8_T1/ood/spec_bench-rag"
+    s = scalars(recs)
+    assert s["tau/ngram/k3_T0/heldout/heldout"] == 1.8 and s["alpha_2/ngram/k3_T0/heldout/heldout"] == 0.4
+    assert "alpha_3/ngram/k3_T0/heldout/heldout" not in s  # never verified: no made-up zero
+    assert s["predicted_speedup/ngram/tree4x3x8_T1/ood/spec_bench-rag"] == 1.5
+    run = tmp_path / "my-run"
+    (run / "best").mkdir(parents=True)
+    (run / "run_info.json").write_text("{}")
+    assert drafter_label(str(run / "best")) == "my-run-best" and drafter_label(str(run)) == "my-run"
+
+
+def _train(out, report_to, stop_at=None, **training):
+    def preempt(run, rec):
+        if run.state["step"] == stop_at:
+            signal.raise_signal(signal.SIGTERM)
+
+    recipe = tiny_recipe(out, **training)
+    recipe.tracking.report_to = report_to
+    return T.train(recipe, target=make_tiny_target("llama"), train_rows=make_rows(20),
+                   heldout_rows=make_rows(4, seed=1), on_step=preempt if stop_at else None)
+
+
+def test_training_wandb_namespaces_config_and_resume(tmp_path, fake, offline_wandb):  # noqa: F811
+    out = tmp_path / "tiny-run-7"
+    first = _train(out, ["jsonl", "wandb"], stop_at=3, max_steps=6)
+    assert first["interrupted_by"] == signal.SIGTERM
+    link = json.loads((out / "tracking.json").read_text())
+    assert link["name"] == link["group"] == "tiny-run-7" and link["wandb_id"]
+    _train(out, ["jsonl", "wandb"], max_steps=6, resume_from="auto")
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2
+    a, b = (read_run(r) for r in runs)
+    assert a["id"] == b["id"] == link["wandb_id"] and a["group"] == "tiny-run-7"  # one wandb run, resumed
+    hist = a["history"] + b["history"]
+    keys = set().union(*hist)
+    assert {"train/loss", "train/acc_0", "train/lr", "train/tokens_per_s", "train/sim_tau_proxy", "train/step",
+            "eval/sim_tau_proxy", "eval/acc_0", "eval/loss"} <= keys
+    assert not keys & {"epoch", "heldout_rows", "wall_s", "loss", "tokens", "loss_tokens", "run/epoch"}
+    assert sorted({h["train/step"] for h in hist if "train/loss" in h}) == list(range(1, 7))
+    assert b["config"]["run/heldout_rows"] == 4 and b["config"]["run/wall_s"] > 0
+    assert b["config"]["run/world_size"] == 1 and b["config"]["training.max_steps"] == 6
+    assert "run/epoch" in b["config"]
+    # a fresh run (no resume) into another dir gets its own wandb run and name
+    _train(tmp_path / "other", ["wandb", "tensorboard"], max_steps=3)
+    other = json.loads((tmp_path / "other" / "tracking.json").read_text())
+    assert other["name"] == "other" and other["wandb_id"] != link["wandb_id"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(other["tensorboard_dir"])
+    tb.Reload()
+    assert {"train/loss", "train/lr", "eval/sim_tau_proxy"} <= set(tb.Tags()["scalars"])
+    assert [e.step for e in tb.Scalars("train/loss")] == [1, 2, 3] and "epoch" not in tb.Tags()["scalars"]
+
+
+def test_eval_wandb_scalars_join_the_training_group(workdir, tmp_path, offline_wandb, monkeypatch):  # noqa: F811
+    run = tmp_path / "runs" / "tiny-x"
+    run.mkdir(parents=True)
+    (run / "tracking.json").write_text(json.dumps({"project": "proj-x", "name": "tiny-x", "group": "tiny-x"}))
+    # the n-gram drafter is what we decode with; the run dir stands in for a checkpoint's run (its link)
+    argv = ["eval", "--recipe", str(workdir / "recipe.yaml"), "--drafter", "ngram", "--prompts", "heldout",
+            "--prompts", str(workdir / "ood.jsonl"), "--n", "1", "--max-new-tokens", "8", "--k", "3",
+            "--temperature", "0", "--out", str(run / "eval"), "--report-to", "wandb", "--report-to", "tensorboard"]
+    from spectrain import eval_tracking
+
+    (run / "best").mkdir()
+    link, where = eval_tracking.run_link({"drafters": ["ngram", str(run / "best")]})
+    assert link["group"] == "tiny-x" and where == run
+    # decode with n-gram, linked as if it were the run's checkpoint (no trained head needed)
+    monkeypatch.setattr(eval_tracking, "run_link", lambda meta: (link, run))
+    assert cli_main(argv) == 0
+    report = json.loads((run / "eval" / "report.json").read_text())
+    (wb,) = (run / "eval" / "wandb").glob("offline-run-*")
+    got = read_run(wb)
+    assert got["group"] == "tiny-x" and got["config"]["prompt_set_splits"] == {"heldout": "held-out", "ood": "OOD"}
+    logged = got["history"][0]
+    for r in report["records"]:
+        cell = cell_key(r)
+        assert logged[f"tau/{cell}"] == pytest.approx(r["tau"])
+        for m in ("acceptance_rate", "measured_speedup", "predicted_speedup"):
+            assert logged[f"{m}/{cell}"] == pytest.approx(r[m])
+        for i, a in enumerate(r["alpha"], 1):
+            assert (f"alpha_{i}/{cell}" in logged) == (a is not None)
+    assert "tau/ngram/k3_T0/heldout/heldout" in logged and "tau/ngram/k3_T0/ood/ood" in logged
+    assert any(k.startswith("acceptance/ngram/k3_T0") for k in logged) and any(k.startswith("report") for k in logged)
+    # tensorboard: the same scalars, and the per-position curve
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "eval" / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {f"tau/{cell_key(r)}" for r in report["records"]} <= tags
+    assert acc.Scalars("tau/ngram/k3_T0/heldout/heldout")[0].value == pytest.approx(report["records"][0]["tau"])
+    assert list((run / "eval" / "tensorboard").glob("acceptance_ngram_k3_T0_*"))  # add_scalars: a dir per line
