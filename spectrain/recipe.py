@@ -414,9 +414,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     validate. Errors name the file and the key."""
     from spectrain.resources import anchor_shipped_paths, resolve_recipe
 
-    path, shipped = resolve_recipe(str(path))
-    if path.is_dir():
+    if Path(path).expanduser().is_dir():
         raise IsADirectoryError(f"recipe {path} is a directory: give a YAML recipe file (e.g. {path}/eagle3.yaml)")
+    path, shipped = resolve_recipe(str(path))
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
