@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_evaluate import _tiny_tokenizer
+from test_evaluate import _tiny_tokenizer, write_tiny_chat_world
 
 from spectrain.cli import main as cli_main
 
@@ -29,15 +28,7 @@ torch.set_num_threads(1)
 def world(tmp_path_factory) -> Path:
     """target/ (tiny llama + chat tokenizer), chat.jsonl, recipe.yaml, run/ (2 steps: step-1, step-2, last,
     best, init) and exp/ (its vllm-eagle3 export)."""
-    d = tmp_path_factory.mktemp("bad-inputs")
-    tok = _tiny_tokenizer()
-    make_tiny_model("llama", vocab_size=len(tok), max_positions=160).save_pretrained(d / "target")
-    tok.save_pretrained(d / "target")
-    with open(d / "chat.jsonl", "w") as f:
-        for i in range(24):
-            f.write(json.dumps({"id": f"c{i}", "messages": [
-                {"role": "user", "content": f"what is {i} plus {i}? add them"},
-                {"role": "assistant", "content": f"the answer is {2 * i}"}]}) + "\n")
+    d = write_tiny_chat_world(tmp_path_factory.mktemp("bad-inputs"))
     (d / "recipe.yaml").write_text(
         f"target: {{name_or_path: {d / 'target'}, dtype: float32}}\n"
         f"data: {{train_files: [{d / 'chat.jsonl'}], heldout_fraction: 0.25, max_length: 64, "
