@@ -105,6 +105,7 @@ if want wheel; then
     rm -rf "$RESULTS/wheel.log" "$RESULTS/dist" "$RESULTS/venv"
     wheel_step() {
         set -e
+        unset PYTHONPATH  # a checkout on the path (with its build's egg-info) would read as installed
         python -m pip wheel -q --no-deps --no-build-isolation -w "$RESULTS/dist" .
         python -m venv --system-site-packages "$RESULTS/venv"
         local vpy="$RESULTS/venv/bin/python" links=()
