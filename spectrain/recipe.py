@@ -448,8 +448,9 @@ def _check_target(r: Recipe):
 
     src, trc = r.target.name_or_path, r.target.trust_remote_code
     p = Path(src).expanduser()
-    looks_local = src.startswith((".", "/", "~")) or src.count("/") > 1 or ("/" in src and Path(src.split("/")[0]).is_dir())
-    if not p.exists() and looks_local:
+    from spectrain.target import looks_local
+
+    if not p.exists() and looks_local(src):
         # Looks like a local path (e.g. assets/reference-target); do not fall through to hub retries.
         raise ValueError(f"target model dir not found: {src} (relative to {Path.cwd()}); build or download it, "
                          "or set target.name_or_path to an HF hub id")
