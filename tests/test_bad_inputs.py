@@ -300,8 +300,20 @@ def test_speculative_generate_refuses_bad_arguments(target, kw, pattern):
         speculative_generate(target, NgramDrafter.from_spec("ngram"), **args)
 
 
+def test_load_drafter_names_a_missing_directory(target, tmp_path):
+    from spectrain import load_drafter
+
+    with pytest.raises(FileNotFoundError, match=r"drafter directory not found: .*nope/best"):
+        load_drafter(str(tmp_path / "nope" / "best"), target)
+    with pytest.raises(ValueError, match=r"bad ngram option 'maxn=3'"):
+        load_drafter("ngram:maxn=3", target)
+
+
 def test_load_target_refuses_a_non_model_directory_or_file(tmp_path):
     from spectrain import load_target
+
+    with pytest.raises(FileNotFoundError, match="target model dir not found"):
+        load_target(str(tmp_path / "missing"))
 
     with pytest.raises(FileNotFoundError, match="directory without config.json"):
         load_target(str(tmp_path))

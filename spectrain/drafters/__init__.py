@@ -56,6 +56,11 @@ def load_drafter(spec, target) -> Drafter:
 
         return NgramDrafter.from_spec(spec)
     path = Path(spec)
+    from spectrain.target import looks_local
+
+    if not path.exists() and looks_local(spec):
+        raise FileNotFoundError(f"drafter directory not found: {spec} (relative to {Path.cwd()}); give 'ngram', a "
+                                "trained drafter directory (e.g. runs/NAME/best) or an HF draft model")
     if path.is_dir():  # SHA256SUMS written by every checkpoint save and export: refuse damaged weights
         from spectrain.integrity import verify
 
