@@ -64,7 +64,8 @@ def load_drafter(spec, target) -> Drafter:
     if path.is_dir():  # SHA256SUMS written by every checkpoint save and export: refuse damaged weights
         from spectrain.integrity import verify
 
-        verify(path, "drafter", fix="use another checkpoint (e.g. the run's last/ or a step-N/) or re-export it")
+        verify(path, "drafter", fix="use another checkpoint (e.g. the run's last/ or a step-N/) or re-export it",
+               warn_missing=(path / "drafter_config.json").is_file())  # a plain HF model dir has none: no warning
     cfg_file = path / "drafter_config.json"
     if cfg_file.is_file():
         try:
