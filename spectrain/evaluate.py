@@ -339,13 +339,10 @@ def _new_cell() -> dict:
 
 def _decode_into(cell: dict, fn, **kw) -> None:
     """One prompt through `fn` (plain or speculative), timed end to end, accumulated into `cell`."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn(**kw)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    cell["seconds"] += time.perf_counter() - t0
+    from spectrain.sweep import timed
+
+    out, seconds = timed(fn, **kw)
+    cell["seconds"] += seconds
     cell["tokens"] += len(out.tokens)
     cell["outputs"].append(list(out.tokens))
     cell["stats"].append(out.stats)

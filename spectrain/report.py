@@ -316,8 +316,8 @@ def sweep_markdown(sw: dict) -> list[str]:
     md = ["## Batch size: throughput and the crossover", "",
           f"{sw['rows']} rows ({sw['distinct_prompts']} distinct prompts), {sw['max_new_tokens']} new tokens each, the "
           "same rows at every batch size; plain = the target alone in the same batched loop. tok/s = tokens over "
-          "the whole batch per second; latency = mean per-row seconds from the start of its batch to its last "
-          "token. **predicted** = roofline model (README: Batched decoding and the crossover), on this machine "
+          f"the whole batch per second (median of {sw.get('repeats', 1)} interleaved repeats); latency = mean "
+          "per-row seconds from the start of its batch to its last token. **predicted** = roofline model (README: Batched decoding and the crossover), on this machine "
           f"({cpu.get('name', '-')}: {_f(cpu.get('bandwidth_GBps'), 1)} GB/s, {_f(cpu.get('TFLOPs'), 3)} TFLOP/s) "
           f"and for a deployment of this target in bf16 on {dep.get('name', '-')} "
           f"({_f(dep.get('bandwidth_GBps'), 0)} GB/s, {_f(dep.get('TFLOPs'), 0)} TFLOP/s).", "",
@@ -358,7 +358,7 @@ def plot_batch_sweep(out_dir: Path, sw: dict, target: str) -> Path:
     for i, key in enumerate(keys):
         cs = [c for c in sw["cells"] if (c["drafter"], c["config"]) == key]
         bs, ls = [c["batch_size"] for c in cs], "--" if cs[0]["tree"] else "-"
-        name = f"{Path(key[0]).name or key[0]} · {key[1]}"
+        name = f"{'/'.join(Path(key[0]).parts[-2:]) or key[0]} · {key[1]}"
         axes[0].plot(bs, [c["tokens_per_s"] for c in cs], ls=ls, marker="o", color=colors(i % 10), label=name)
         if cs[0]["temperature"] not in plain_done:
             plain_done.add(cs[0]["temperature"])

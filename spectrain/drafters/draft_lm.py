@@ -173,6 +173,29 @@ class DraftLMDrafter(Drafter):
         # Trees were cropped back to the committed prefix in propose; _sync feeds the accepted path.
         self._crop(self._base + len(accepted))
 
+    # batched decoding (spectrain/batched.py): chains share one draft cache (draft_lm_batch.py);
+    # trees use one copy of this drafter per row (the Drafter defaults)
+    def begin_batch(self, prompts: list[torch.Tensor]) -> None:
+        from spectrain.drafters.draft_lm_batch import BatchedDraftLM
+
+        Drafter.begin_batch(self, prompts)
+        self._batch, self._tree_mode = BatchedDraftLM(self, len(prompts)), False
+
+    @torch.no_grad()
+    def propose_batch(self, ctxs: list[DraftContext | None]) -> list[Proposal | None]:
+        self._tree_mode = any(c is not None and c.tree is not None for c in ctxs)
+        return Drafter.propose_batch(self, ctxs) if self._tree_mode else self._batch.propose(ctxs)
+
+    def commit_batch(self, accepted: list[list[int] | None]) -> None:
+        if self._tree_mode:
+            Drafter.commit_batch(self, accepted)
+        else:
+            self._batch.commit(accepted)
+
+    def keep_rows(self, idx: list[int]) -> None:
+        Drafter.keep_rows(self, idx)
+        self._batch.keep_rows(idx)
+
 
 def _warn_if_other_target(path, target) -> None:
     cfg_file = Path(path) / CONFIG_NAME
