@@ -28,6 +28,11 @@ _DISK_FULL_TEXT = ("no space left on device", "unexpected pos", "file write fail
                    "storagefull")
 
 
+# Libraries' exceptions that report a user's setup, not a bug (safetensors, huggingface_hub, wandb, click).
+_THIRD_PARTY_USER_ERRORS = {"SafetensorError", "HeaderTooLarge", "HFValidationError", "UsageError", "CommError",
+                            "AuthenticationError"}
+
+
 def debug() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
@@ -90,7 +95,7 @@ def _expected(e: BaseException) -> bool:
 
     names = {c.__name__ for c in type(e).__mro__}
     return isinstance(e, (ValueError, OSError, KeyError, pickle.UnpicklingError, EOFError)) or \
-        bool(names & {"SafetensorError", "HeaderTooLarge", "HFValidationError"})
+        bool(names & _THIRD_PARTY_USER_ERRORS)
 
 
 def message(e: BaseException) -> str:
@@ -100,6 +105,8 @@ def message(e: BaseException) -> str:
     if isinstance(e, KeyError):
         return f"missing key {e.args[0]!r}" if e.args else "missing key"
     text = " ".join(str(e).split()) or type(e).__name__
+    if type(e).__name__ in ("UsageError", "CommError", "AuthenticationError"):
+        text = f"{type(e).__module__.split('.')[0]}: {text}"  # say which library (e.g. wandb) is unhappy
     if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, FileExistsError)) and e.filename \
             and str(e.filename) not in text:
         text += f" ({e.filename})"

@@ -403,6 +403,9 @@ def main(args) -> int:
                          "pass --no-chat-template to feed the raw prompt text")
     ctx = target.max_positions
     max_len = None if ctx is None else ctx - args.max_new_tokens  # the decoder refuses anything longer
+    if max_len is not None and max_len < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the target's context "
+                         f"window of {ctx} positions: use --max-new-tokens < {ctx}")
     encoded = _encode_all(sets, target.tokenizer, max_len, args)
     drafters = _load_drafters(args.drafter, target)
     plan = {d: _configs(args, drafters[d]) for d in drafters}

@@ -115,7 +115,7 @@ def unreadable(root) -> list[str]:
     return out
 
 
-def verify(root, what: str = "directory", fix: str = "") -> bool:
+def verify(root, what: str = "directory", fix: str = "", warn_missing: bool = True) -> bool:
     """Refuse ``root`` when a file differs from its manifest (IntegrityError naming the file and ``fix``);
     True when verified, False (with a warning) when there is no manifest to verify against."""
     root = Path(root)
@@ -125,6 +125,8 @@ def verify(root, what: str = "directory", fix: str = "") -> bool:
         raise IntegrityError(f"{what} {root} failed its integrity check: {found[0]}{more}; "
                              f"{fix or 'restore it from a good copy or re-create it'}")
     if read_manifest(root) is None:
+        if not warn_missing:
+            return False
         warnings.warn(f"{what} {root} has no {MANIFEST} (written by an older spectrain or another tool): its "
                       "files cannot be checked for corruption", stacklevel=2)
         return False

@@ -300,8 +300,20 @@ def test_speculative_generate_refuses_bad_arguments(target, kw, pattern):
         speculative_generate(target, NgramDrafter.from_spec("ngram"), **args)
 
 
+def test_load_drafter_names_a_missing_directory(target, tmp_path):
+    from spectrain import load_drafter
+
+    with pytest.raises(FileNotFoundError, match=r"drafter directory not found: .*nope/best"):
+        load_drafter(str(tmp_path / "nope" / "best"), target)
+    with pytest.raises(ValueError, match=r"bad ngram option 'maxn=3'"):
+        load_drafter("ngram:maxn=3", target)
+
+
 def test_load_target_refuses_a_non_model_directory_or_file(tmp_path):
     from spectrain import load_target
+
+    with pytest.raises(FileNotFoundError, match="target model dir not found"):
+        load_target(str(tmp_path / "missing"))
 
     with pytest.raises(FileNotFoundError, match="directory without config.json"):
         load_target(str(tmp_path))
@@ -342,6 +354,11 @@ def _recipe_cases(world: Path, tmp: Path) -> list[tuple[list, str]]:
         (["train", r, f"output_dir={tmp / 'r'}", "training.precision=fp16"], r"fp16 needs a CUDA device"),
         (["check", r, "training.precision=fp16"], r"fp16 needs a CUDA device"),
         (["train", r], r"already holds checkpoints of a run: continue it with training.resume_from=auto"),
+        (["prepare-features", r, f"training.feature_cache={tmp / 'fc'}", f"target.name_or_path={tmp / 'none'}"],
+         r"target model dir not found: .*none"),
+        (["train", r, f"output_dir={tmp / 'r'}", "training.global_batch_size=400", "training.micro_batch_size=4"],
+         r"the train split has 17 rows, fewer than training.global_batch_size=400"),
+        (["check", r, f"data.train_files=[{tmp / 'nofile.jsonl'}]"], r"data file not found: .*nofile\.jsonl"),
     ]
 
 
@@ -372,6 +389,8 @@ def test_eval_cases(world, tmp_path, capsys):
         (_eval(world, tmp_path / "o", "--temperature", "nan"), r"--temperature"),
         (_eval(world, tmp_path / "o", "--top-p", "0"), r"--top-p must be in \(0, 1\]"),
         (_eval(world, tmp_path / "o", "--k", "0"), r"--k must be >= 1"),
+        (_eval(world, tmp_path / "o", "--max-new-tokens", "100000"), r"leaves no room for a prompt .* 160 positions"),
+        (_eval(world, tmp_path / "o", "--dtype", "float64"), r"unknown dtype 'float64'"),
         (_eval(world, tmp_path / "o", "--device", "cuda"), r"device 'cuda' is not available"),
         (_eval(world, tmp_path / "o", "--prompts", tmp_path / "missing.jsonl"), r"prompt file .*missing\.jsonl not found"),
         (_eval(world, tmp_path / "o", "--prompts", "nosuchset"), r"unknown prompt set 'nosuchset'"),

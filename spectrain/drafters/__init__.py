@@ -56,10 +56,16 @@ def load_drafter(spec, target) -> Drafter:
 
         return NgramDrafter.from_spec(spec)
     path = Path(spec)
+    from spectrain.target import looks_local
+
+    if not path.exists() and looks_local(spec):
+        raise FileNotFoundError(f"drafter directory not found: {spec} (relative to {Path.cwd()}); give 'ngram', a "
+                                "trained drafter directory (e.g. runs/NAME/best) or an HF draft model")
     if path.is_dir():  # SHA256SUMS written by every checkpoint save and export: refuse damaged weights
         from spectrain.integrity import verify
 
-        verify(path, "drafter", fix="use another checkpoint (e.g. the run's last/ or a step-N/) or re-export it")
+        verify(path, "drafter", fix="use another checkpoint (e.g. the run's last/ or a step-N/) or re-export it",
+               warn_missing=(path / "drafter_config.json").is_file())  # a plain HF model dir has none: no warning
     cfg_file = path / "drafter_config.json"
     if cfg_file.is_file():
         try:
