@@ -108,6 +108,10 @@ if want wheel; then
         python -m pip wheel -q --no-deps --no-build-isolation -w "$RESULTS/dist" .
         python -m venv --system-site-packages "$RESULTS/venv"
         local vpy="$RESULTS/venv/bin/python" links=()
+        # when this python is itself a venv (e.g. a CUDA env), --system-site-packages sees only the base
+        # interpreter's packages: a .pth makes this environment's (its torch) visible behind the venv's own
+        python -c "import site; print('\n'.join(site.getsitepackages()))" \
+            > "$("$vpy" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_gpu_check_parent_env.pth"
         if [ -n "${WHEELHOUSE:-}" ]; then links=(--no-index --find-links "$WHEELHOUSE"); fi
         echo "torch before: $("$vpy" -c 'import torch; print(torch.__version__)')"
         local nodeps=()

@@ -31,7 +31,8 @@ RECIPE = "recipes/tiny/eagle3.yaml"
 SETS = ["heldout", "spec_bench/mt_bench", "spec_bench/summarization", "spec_bench/math_reasoning",
         "spec_bench/rag", "humaneval"]
 # spectrain as on main before the study (the recipe's defaults may change; this stays fixed)
-MAIN = ["drafter.eagle3.lm_head_init=random", "drafter.eagle3.freeze_lm_head=false",
+MAIN = ["drafter.eagle3.lm_head_init=random", "drafter.eagle3.freeze_lm_head=false", "drafter.eagle3.fc_norm=false",
+        *(f"drafter.eagle3.{f}=false" for f in ("norm_before_fc", "norm_before_residual", "norm_output")),
         "training.adam_betas=0.9,0.95", "drafter.eagle3.loss_positions=predicted",
         "drafter.eagle3.out_of_vocab=mask", "training.packing=false", "training.lr=1e-3"]
 FROZEN = ["drafter.eagle3.lm_head_init=target", "drafter.eagle3.freeze_lm_head=true"]
@@ -48,6 +49,9 @@ VARIANTS: dict[str, list[str]] = {
     "best": ["drafter.eagle3.lm_head_init=target_with_norm", "drafter.eagle3.freeze_lm_head=true",
              "training.adam_betas=0.9,0.999"],
 }
+NORMS = ["drafter.eagle3.norm_before_fc=true", "drafter.eagle3.norm_before_residual=true",
+         "drafter.eagle3.norm_output=true"]  # speculators' default layer layout
+VARIANTS["best_norms"] = VARIANTS["best"] + NORMS
 
 
 def sh(cmd: list[str], log: Path, threads: int) -> None:
@@ -130,16 +134,21 @@ def evaluate(a) -> None:
     cmd = [sys.executable, "-m", "spectrain", "eval", "--recipe", RECIPE, *[x for p in hs.values() for x in
            ("--drafter", str(p))], *[x for s in a.sets for x in ("--prompts", s)], "--n", str(a.n),
            "--max-new-tokens", "64", "--k", "5", "--temperature", "0", "--temperature", "1", "--seed", "0",
-           "--out", str(a.work / f"eval{a.steps}")]
+           "--out", str(a.work / f"eval{a.steps}{a.tag}")]
     if a.device:
         cmd += ["--device", a.device]
-    sh(cmd, a.work / "logs" / f"eval{a.steps}.log", a.threads)
+    sh(cmd, a.work / "logs" / f"eval{a.steps}{a.tag}.log", a.threads)
 
 
 def table(a) -> str:
     """tau [95% CI] per head and prompt set, T=0 and T=1, from the eval's report.json."""
-    rep = json.loads((a.work / f"eval{a.steps}" / "report.json").read_text())
-    recs = rep["records"]
+    # decoding is deterministic per (head, prompt, seed + i), so evals split over several runs (tags) on
+    # the same prompts merge into one table; a head in several runs is taken from the first
+    recs, seen = [], set()
+    for rep in sorted(a.work.glob(f"eval{a.steps}*/report.json")):
+        new = [r for r in json.loads(rep.read_text())["records"] if r["drafter"] not in seen]
+        seen |= {r["drafter"] for r in new}
+        recs += new
     sets = list(dict.fromkeys(r["prompt_set"] for r in recs))
     lines = []
     for temp in sorted({r["temperature"] for r in recs}):
@@ -155,9 +164,41 @@ def table(a) -> str:
                 cells.append("-" if r is None else f"{r['tau']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
             taus = [row[s]["tau"] for s in sets if s in row]
             lines.append(f"| {Path(d).name} | " + " | ".join(cells) + f" | {sum(taus) / max(len(taus), 1):.3f} |")
+    lines += paired_vs(recs, sets, "speculators")
     text = "\n".join(lines)
     (a.work / f"table{a.steps}.md").write_text(text + "\n")
     return text
+
+
+def paired_vs(recs: list[dict], sets: list[str], ref: str) -> list[str]:
+    """tau(head) - tau(ref) per set with a paired 95% bootstrap interval (same prompts, resampled jointly),
+    and the mean over sets of tau(head) / tau(ref)."""
+    sys.path.insert(0, str(ROOT))
+    from spectrain.stats import paired_diff_ci
+
+    by = {(Path(r["drafter"]).name, r["temperature"], r["prompt_set"]): r for r in recs}
+    heads = [h for h in dict.fromkeys(Path(r["drafter"]).name for r in recs) if h != ref]
+    if not any(k[0] == ref for k in by):
+        return []
+    out = []
+    for temp in sorted({r["temperature"] for r in recs}):
+        out += [f"\nT={temp:g}: tau(head) - tau({ref}) [paired 95% CI]; last column: mean over sets of "
+                f"tau(head) / tau({ref})", "", "| head | " + " | ".join(s.replace("spec_bench/", "sb/") for s in sets)
+                + " | mean ratio |", "|---" * (len(sets) + 2) + "|"]
+        for h in heads:
+            cells, ratios = [], []
+            for s in sets:
+                x, y = by.get((h, temp, s)), by.get((ref, temp, s))
+                if not x or not y or "per_prompt" not in x or "per_prompt" not in y:
+                    cells.append("-")
+                    continue
+                d, (lo, hi) = paired_diff_ci(x["per_prompt"]["tokens"], x["per_prompt"]["passes"],
+                                             y["per_prompt"]["tokens"], y["per_prompt"]["passes"])
+                cells.append(f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}]")
+                ratios.append(x["tau"] / y["tau"])
+            mean = f"{sum(ratios) / len(ratios):.3f}" if ratios else "-"
+            out.append(f"| {h} | " + " | ".join(cells) + f" | {mean} |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sets", default=",".join(SETS), help="prompt sets for the eval")
     ap.add_argument("--n", type=int, default=16, help="prompts per set")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per subprocess")
+    ap.add_argument("--tag", default="", help="suffix of the eval directory (eval<steps><tag>), to split decoding "
+                    "over several runs; the table merges every eval<steps>* directory")
     ap.add_argument("--device", default="", help="eval device (cpu, cuda); training follows accelerate")
     a = ap.parse_args(argv)
     a.variants = [v for v in a.variants.split(",") if v]

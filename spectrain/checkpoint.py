@@ -40,11 +40,11 @@ from typing import Any
 from spectrain import integrity
 from spectrain.errors import writing
 from spectrain.outputs import remove_leftovers, swap_in
+from spectrain.safe_resume import check_files, load_engine_state
 
 STATE_FILE = "trainer_state.json"
 ENGINE_DIR = "accelerate"
 SCHEDULER_FILE = "scheduler.json"
-_ENGINE_PICKLES = ("random_states_",)  # accelerate's RNG states: loaded with weights_only=True
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 # Keys that change where/how often things are written or logged but not what is computed; a resume
@@ -321,57 +321,20 @@ def _check_recipe(ckpt: Path, state: dict, recipe_dict: dict) -> None:
         "run (training.resume_from='' and a new output_dir).")
 
 
-def _check_files(ckpt: Path) -> None:
-    """Integrity (SHA256SUMS) and no pickle spectrain did not write, before anything is loaded."""
-    integrity.verify(ckpt, "checkpoint", fix="resume from another checkpoint of the run (training.resume_from="
-                     "<run>/step-N) or start a fresh run; do not train on from damaged files")
-    legacy = () if (ckpt / SCHEDULER_FILE).is_file() else ("custom_checkpoint_0.pkl",)  # see load_checkpoint
-    extra = integrity.untrusted_pickles(ckpt / ENGINE_DIR, _ENGINE_PICKLES + legacy)
-    if extra:
-        raise integrity.IntegrityError(f"checkpoint {ckpt} holds {extra[0]}, a pickle spectrain did not write "
-                                       "(it may run code when loaded): refusing to resume from it; remove the "
-                                       "file only if you know where it came from, or use another checkpoint")
-    from accelerate.utils.other import load as plain_load  # weights_only=True + numpy arrays allowed
-
-    for rng in sorted((ckpt / ENGINE_DIR).glob(f"{_ENGINE_PICKLES[0]}*.pkl")):
-        try:  # accelerate would swallow a failure here and resume without the RNG state
-            plain_load(rng)
-        except Exception as e:
-            raise integrity.IntegrityError(f"checkpoint file {rng} is not plain RNG data ({type(e).__name__}): "
-                                           "refusing to unpickle it; use another checkpoint") from None
-
-
 def load_checkpoint(accelerator, ckpt: Path, recipe_dict: dict, scheduler=None) -> dict:
     """Verify, then restore model/optimizer/RNG through accelerate and the schedule from JSON; return the
     trainer state. Every torch.load accelerate makes meanwhile is forced to ``weights_only=True``."""
-    _check_files(ckpt)
+    check_files(ckpt, legacy=not (ckpt / SCHEDULER_FILE).is_file())
     state = read_state(ckpt)
     _check_recipe(ckpt, state, recipe_dict)
     if state.get("world_size") != accelerator.num_processes and accelerator.is_main_process:
         print(f"resume: checkpoint was written with {state.get('world_size')} processes, now "
               f"{accelerator.num_processes}; the data order and global batch are unchanged (gradient "
               "accumulation re-derived), but per-rank RNG streams are not carried over exactly.")
-    # An older spectrain registered the schedule with accelerate (custom_checkpoint_0.pkl): let accelerate
-    # read it this once, as plain data like everything else.
+    # An older spectrain registered the schedule with accelerate (custom_checkpoint_0.pkl): accelerate reads
+    # it this once, as plain data like everything else.
     legacy = scheduler is not None and not (ckpt / SCHEDULER_FILE).is_file()
-    if legacy:
-        accelerator.register_for_checkpointing(scheduler)
-    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        accelerator.load_state(str(ckpt / ENGINE_DIR))
-    except Exception as e:
-        why = "a file in it holds pickled objects, not plain data, and is not unpickled (it could run code)" \
-            if "weights only" in str(e).lower() else f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-        raise ValueError(f"cannot restore checkpoint {ckpt / ENGINE_DIR}: {why}; resume from another checkpoint "
-                         "or start a fresh run") from e
-    finally:
-        if legacy:
-            accelerator._custom_objects.remove(scheduler)  # saves write scheduler.json from now on
-        if before is None:
-            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
-        else:
-            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
+    load_engine_state(accelerator, ckpt / ENGINE_DIR, scheduler if legacy else None)
     if not legacy and scheduler is not None:
         scheduler.load_state_dict(json.loads((ckpt / SCHEDULER_FILE).read_text()))
     return state

@@ -452,7 +452,10 @@ def build_dataset(data_cfg, tokenizer, split: str = "train", use_cache: bool = T
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")  # atomic: several ranks may build at once
-        torch.save(ds.state(), tmp)
+        from spectrain.errors import writing
+
+        with writing(tmp, name=path):  # a failed write (disk full) leaves no partial cache file
+            torch.save(ds.state(), tmp)
         os.replace(tmp, path)
     return ds
 

@@ -414,9 +414,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     validate. Errors name the file and the key."""
     from spectrain.resources import anchor_shipped_paths, resolve_recipe
 
-    path, shipped = resolve_recipe(str(path))
-    if path.is_dir():
+    if Path(path).expanduser().is_dir():
         raise IsADirectoryError(f"recipe {path} is a directory: give a YAML recipe file (e.g. {path}/eagle3.yaml)")
+    path, shipped = resolve_recipe(str(path))
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
@@ -521,6 +521,13 @@ def check_main(recipe_path: str, overrides: list[str]) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         accum = r.training.grad_accum(world)
+        from spectrain.engine import check_trackers, resolve_precision
+
+        resolve_precision(r.training.precision)  # the same checks `train` runs before it loads anything
+        check_trackers(r)
+        if r.drafter.kind == "ngram":
+            print("note: drafter.kind=ngram is training-free: `spectrain train` refuses it; evaluate it with "
+                  "`spectrain eval --drafter ngram`")
         cfg, tok = _check_target(r)
         data_lines = _check_data(r, tok)
     except (ValueError, OSError) as e:

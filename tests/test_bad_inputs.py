@@ -7,16 +7,17 @@ One tiny trained EAGLE-3 run + one export per module (a few seconds); each case 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_evaluate import _tiny_tokenizer
+from test_evaluate import _tiny_tokenizer, write_tiny_chat_world
 
 from spectrain.cli import main as cli_main
 
@@ -27,15 +28,7 @@ torch.set_num_threads(1)
 def world(tmp_path_factory) -> Path:
     """target/ (tiny llama + chat tokenizer), chat.jsonl, recipe.yaml, run/ (2 steps: step-1, step-2, last,
     best, init) and exp/ (its vllm-eagle3 export)."""
-    d = tmp_path_factory.mktemp("bad-inputs")
-    tok = _tiny_tokenizer()
-    make_tiny_model("llama", vocab_size=len(tok), max_positions=160).save_pretrained(d / "target")
-    tok.save_pretrained(d / "target")
-    with open(d / "chat.jsonl", "w") as f:
-        for i in range(24):
-            f.write(json.dumps({"id": f"c{i}", "messages": [
-                {"role": "user", "content": f"what is {i} plus {i}? add them"},
-                {"role": "assistant", "content": f"the answer is {2 * i}"}]}) + "\n")
+    d = write_tiny_chat_world(tmp_path_factory.mktemp("bad-inputs"))
     (d / "recipe.yaml").write_text(
         f"target: {{name_or_path: {d / 'target'}, dtype: float32}}\n"
         f"data: {{train_files: [{d / 'chat.jsonl'}], heldout_fraction: 0.25, max_length: 64, "
@@ -122,7 +115,12 @@ def test_planted_pickle_with_a_resealed_manifest_is_still_refused(world, tmp_pat
     (run / "step-2" / "accelerate" / "custom_checkpoint_0.pkl").unlink()
     rng.write_bytes(payload(marker))
     seal(run / "step-2")
-    refused(capsys, train_argv(world, run, "training.resume_from=auto"), r"random_states_0\.pkl is not plain RNG")
+    refused(capsys, train_argv(world, run, "training.resume_from=auto"), r"random_states_0\.pkl is not plain data")
+    shutil.copy(world / "run" / "step-2" / "accelerate" / rng.name, rng)
+    (run / "step-2" / "accelerate" / "optimizer.bin").write_bytes(payload(marker))  # read by accelerate itself
+    seal(run / "step-2")
+    refused(capsys, train_argv(world, run, "training.resume_from=auto"),
+            r"holds a pickled object.*not plain data, and is not unpickled \(it could run code\)")
     assert not marker.exists()
 
 
@@ -141,7 +139,7 @@ def test_legacy_checkpoint_scheduler_pickle_read_as_data_only(world, tmp_path, c
     for f in ("scheduler.json", "SHA256SUMS"):
         (run2 / "step-2" / f).unlink()
     (run2 / "step-2" / "accelerate" / "custom_checkpoint_0.pkl").write_bytes(payload(marker))
-    refused(capsys, train_argv(world, run2, "training.resume_from=auto"), r"holds pickled objects, not plain data")
+    refused(capsys, train_argv(world, run2, "training.resume_from=auto"), r"custom_checkpoint_0\.pkl is not plain data .*could run code")
     assert not marker.exists()
 
 
@@ -312,3 +310,227 @@ def test_load_target_refuses_a_non_model_directory_or_file(tmp_path):
         load_target(str(tmp_path / "f.txt"))
     with pytest.raises(ValueError, match="not a torch device"):
         load_target(str(tmp_path), device="gpu0")
+
+
+# ---- 5. recipes and `check`: what train would refuse, check refuses first -------------------------------
+
+
+def _recipe_cases(world: Path, tmp: Path) -> list[tuple[list, str]]:
+    (tmp / "empty.yaml").write_text("")
+    (tmp / "adir").mkdir()
+    r = world / "recipe.yaml"
+    return [
+        (["check", tmp / "empty.yaml"], r"empty\.yaml is empty"),
+        (["train", tmp / "empty.yaml"], r"empty\.yaml is empty"),
+        (["check", tmp / "adir"], r"adir is a directory: give a YAML recipe file"),
+        (["train", tmp / "nope.yaml"], r"recipe not found: .*nope\.yaml"),
+        (["check", r, "drafter.eagle3.aux_layers=1,5"], r"aux_layers=\[1, 5\]: give 3 layer ids in ascending order"),
+        (["train", r, "drafter.eagle3.aux_layers=1,5"], r"give 3 layer ids .*vLLM, SGLang and TensorRT-LLM"),
+        (["check", r, "drafter.eagle3.aux_layers=6,4,1"], r"ascending order"),
+        (["check", r, "drafter.eagle3.aux_layers=1,4,8"], r"aux_layers \[8\] out of range: the target has 8 layers"),
+        (["check", r, "drafter.kind=draft", "drafter.draft.init=layers:0,9"],
+         r"init=layers:0,9: layer ids \[9\] are out of range; the target has 8 decoder layers"),
+        (["check", r, "drafter.kind=draft", "drafter.draft.init=layers:3,1"], r"increasing order without repeats"),
+        (["check", r, "drafter.eagle3.draft_vocab_size=100000"], r"draft_vocab_size=100000 exceeds the target vocab"),
+        (["check", r, "training.lrr=1"], r"unknown key 'lrr' in section 'training': did you mean 'lr'"),
+        (["check", r, "training.lr=abc"], r"training.lr: expected a number"),
+        (["check", r, "training.features=offline", f"training.feature_cache={tmp / 'nofeat'}"],
+         r"holds no feature cache \(manifest\.json\)"),
+        (["check", r, f"target.name_or_path={tmp / 'adir'}"], r"cannot load target config/tokenizer"),
+        (["train", r, f"output_dir={tmp / 'r'}", f"training.resume_from={tmp / 'adir'}"],
+         r"resume_from=.*adir.* is not a checkpoint directory"),
+        (["train", r, f"output_dir={tmp / 'r'}", "training.precision=fp16"], r"fp16 needs a CUDA device"),
+        (["check", r, "training.precision=fp16"], r"fp16 needs a CUDA device"),
+        (["train", r], r"already holds checkpoints of a run: continue it with training.resume_from=auto"),
+    ]
+
+
+def test_recipe_and_check_cases(world, tmp_path, capsys):
+    for argv, pattern in _recipe_cases(world, tmp_path):
+        line = refused(capsys, argv, pattern)
+        assert ("FAILED" in line) == (argv[0] == "check"), line
+
+
+# ---- 6. eval: --out checked before decoding, replaced whole only with --force ------------------------------
+
+
+def _eval(world: Path, out: Path, *extra) -> list:
+    return ["eval", "--target", world / "target", "--drafter", "ngram", "--prompts", "mt_bench", "--n", "1",
+            "--max-new-tokens", "3", "--k", "2", "--temperature", "0", "--out", out, *extra]
+
+
+def test_eval_cases(world, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "stale.png").write_text("old plot")
+    cases = [
+        (_eval(world, tmp_path / "file"), r"--out .*file is an existing file"),
+        (_eval(world, old), r"--out .*old already exists and is not empty: .*--force"),
+        (_eval(world, world / "run" / "best" / "ev"), r"is inside .*best, a checkpoint directory"),
+        (_eval(world, tmp_path / "o", "--tree", "topkk=4,depth=2"), r"--tree 'topkk=4,depth=2'"),
+        (_eval(world, tmp_path / "o", "--temperature", "nan"), r"--temperature"),
+        (_eval(world, tmp_path / "o", "--top-p", "0"), r"--top-p must be in \(0, 1\]"),
+        (_eval(world, tmp_path / "o", "--k", "0"), r"--k must be >= 1"),
+        (_eval(world, tmp_path / "o", "--device", "cuda"), r"device 'cuda' is not available"),
+        (_eval(world, tmp_path / "o", "--prompts", tmp_path / "missing.jsonl"), r"prompt file .*missing\.jsonl not found"),
+        (_eval(world, tmp_path / "o", "--prompts", "nosuchset"), r"unknown prompt set 'nosuchset'"),
+        (["eval", "--target", tmp_path / "old", "--drafter", "ngram", "--out", tmp_path / "o"],
+         r"directory without config\.json: not an HF model directory"),
+        (_eval(world, tmp_path / "o", "--drafter", tmp_path / "old"), r"holds neither drafter_config\.json"),
+    ]
+    for argv, pattern in cases:
+        refused(capsys, argv, pattern)
+    assert not (tmp_path / "o").exists()
+    assert cli_main([str(a) for a in _eval(world, old, "--force")]) == 0
+    assert sorted(p.name for p in old.iterdir() if p.suffix != ".png") == ["report.json", "report.md"]
+    assert not (old / "stale.png").exists()  # replaced whole, never mixed
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+# ---- 7. export: --out placement, symlinks, modes, family mix-ups --------------------------------------------
+
+
+def test_export_cases(world, tmp_path, capsys):
+    run = copy_run(world, tmp_path)
+    (tmp_path / "afile").write_text("x")
+    ex = ["export", run, "--format", "vllm-eagle3", "--out"]
+    cases = [
+        (ex + [run / "best" / "exp"], r"is inside .*best, a checkpoint directory"),
+        (ex + [run / "step-2" / "accelerate" / "x"], r"is inside .*step-2, a checkpoint directory"),
+        (ex + [run / "best", "--force"], r"is a checkpoint of the run"),
+        (ex + [tmp_path / "afile"], r"afile is an existing file"),
+        (ex + [world / "exp"], r"already exists: choose a new directory or pass --force"),
+        (["export", run, "--format", "vllm-medusa", "--out", tmp_path / "m"], r"holds a 'eagle3' drafter.*vllm-eagle3"),
+        (["export", tmp_path / "nope", "--format", "vllm-eagle3", "--out", tmp_path / "m"], r"is not a directory"),
+        (["export", run, "--format", "vllm-eagle3"], r"--out DIR is required"),
+    ]
+    for argv, pattern in cases:
+        refused(capsys, argv, pattern)
+    for src, fmt, pattern in [(run / "step-2", "vllm-eagle3", r"is a spectrain training checkpoint, not a vllm-eagle3 export"),
+                              (world / "exp", "vllm-medusa", r"is a vllm-eagle3 export, not vllm-medusa"),
+                              (world / "exp", "sglang-eagle3", r"validate it with --format vllm-eagle3")]:
+        assert cli_main(["export", str(src), "--format", fmt, "--validate-only"]) == 2
+        err = capsys.readouterr().err
+        assert re.search(pattern, err) and "Traceback" not in err, err
+
+
+def test_export_force_onto_a_symlink_and_readable_modes(world, tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "stale.bin").write_text("old")
+    (tmp_path / "link").symlink_to(real)
+    old = os.umask(0o022)
+    try:
+        assert cli_main(["export", str(world / "run"), "--format", "sglang-eagle3", "--out", str(tmp_path / "link"),
+                         "--force"]) == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "link").resolve() == real
+    assert (real / "config.json").is_file() and not (real / "stale.bin").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no .old / temp leftovers
+    assert real.stat().st_mode & 0o777 == 0o755
+    assert {p.stat().st_mode & 0o777 for p in real.iterdir()} == {0o644}
+
+
+# ---- 8. runs: extend, refuse shrink / other changes, leftovers of a killed save ------------------------------
+
+
+def test_extend_a_finished_run_and_clean_leftovers(world, tmp_path, capsys):
+    run = copy_run(world, tmp_path)
+    (run / ".tmp-step-7" / "accelerate").mkdir(parents=True)  # what kill -9 during a save leaves
+    (run / ".tmp-best").mkdir()
+    refused(capsys, train_argv(world, run, "training.resume_from=auto", "training.max_steps=1"),
+            r"stops at step 1 but the checkpoint is at step 2: a resume can only keep or grow")
+    refused(capsys, train_argv(world, run, "training.resume_from=auto", "training.lr=0.01"),
+            r"different recipe.*training\.lr.*only training\.max_steps / training\.epochs may grow")
+    assert cli_main(train_argv(world, run, "training.resume_from=auto", "training.max_steps=4")) == 0
+    out = capsys.readouterr().out
+    assert "length changed from 2 to 4 steps" in out
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(x)]
+    assert steps == [1, 2, 3, 4]
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]
+    assert json.loads((run / "last" / "trainer_state.json").read_text())["total_steps"] == 4
+    # epochs may grow too (max_steps=0 = run the epochs): 17 train rows / 4 = 4 steps per epoch
+    assert cli_main(train_argv(world, run, "training.resume_from=auto", "training.max_steps=0",
+                               "training.epochs=2")) == 0
+    assert json.loads((run / "last" / "trainer_state.json").read_text())["step"] == 8
+
+
+def test_swap_in_replaces_atomically(tmp_path):
+    from spectrain.outputs import _exchange, swap_in
+
+    a, b = tmp_path / "new", tmp_path / "best"
+    for d, tag in ((a, "new"), (b, "old")):
+        d.mkdir()
+        (d / "w").write_text(tag)
+    assert _exchange(a, b)  # renameat2 works here: best/ is never absent
+    assert (b / "w").read_text() == "new" and (a / "w").read_text() == "old"
+    swap_in(a, b)
+    assert (b / "w").read_text() == "old" and not a.exists()
+
+
+# ---- 9. disk full and internal errors --------------------------------------------------------------------------
+
+
+def test_disk_full_says_so_names_the_path_and_removes_partial_output(world, tmp_path, capsys, monkeypatch):
+    from safetensors import SafetensorError
+
+    import spectrain.export.eagle3 as ex
+
+    def full(*a, **k):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    monkeypatch.setattr(ex, "save_file", full)
+    refused(capsys, ["export", world / "run", "--format", "vllm-eagle3", "--out", tmp_path / "x"],
+            r"disk full while writing .*/x \(no space left on the device\); the partial output was removed")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+
+    run = copy_run(world, tmp_path)
+
+    def torch_full(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 3120")
+
+    monkeypatch.setattr(torch, "save", torch_full)
+    refused(capsys, train_argv(world, run, "training.resume_from=auto", "training.max_steps=3"),
+            r"disk full while writing .*run/step-3")
+    assert not [p for p in run.iterdir() if p.name.startswith(".tmp")] and not (run / "step-3").exists()
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
+    refused(capsys, train_argv(world, run, "training.resume_from=auto", "training.max_steps=3"), r"disk full")
+
+
+def test_unexpected_errors_are_one_line_and_debug_shows_the_traceback(world, tmp_path, capsys, monkeypatch):
+    import spectrain.export as ex
+
+    monkeypatch.setattr(ex, "export", lambda *a, **k: [][1])
+    argv = ["export", world / "run", "--format", "vllm-eagle3", "--out", tmp_path / "x"]
+    refused(capsys, argv, r"internal error: IndexError: .* please report it", status=1)
+    monkeypatch.setenv("SPECTRAIN_DEBUG", "1")
+    with pytest.raises(IndexError):
+        cli_main([str(a) for a in argv])
+    monkeypatch.setattr(ex, "export", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad thing")))
+    with pytest.raises(ValueError, match="bad thing"):
+        cli_main([str(a) for a in argv])
+
+
+# ---- 10. fault test: a corrupt feature shard ----------------------------------------------------------------
+
+
+def test_corrupt_or_truncated_feature_shard_refused(tmp_path):
+    from conftest import make_tiny_target
+    from test_train import make_rows
+
+    from spectrain.features import FeatureCache, write_feature_cache
+
+    target = make_tiny_target("llama")
+    write_feature_cache(target, {"train": make_rows(6)}, tmp_path, [1, 3, 5], "fp32", max_length=64, verbose=False)
+    (shard,) = tmp_path.glob("*.safetensors")
+    flip(shard)
+    with pytest.raises(ValueError, match=rf"feature shard .*{shard.name} is corrupt \(sha256 differs"):
+        FeatureCache(tmp_path, target, split="train").get([0])
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"{shard.name} is truncated or modified"):
+        FeatureCache(tmp_path, target, split="train").get([0])
