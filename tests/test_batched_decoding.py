@@ -87,24 +87,28 @@ def test_batched_stats_equal_unbatched_per_row():
         assert merged.wall_time_s >= max(o.stats.wall_time_s for o in many) > 0
 
 
-def test_eagle3_batched_drafts_equal_single_row_drafts(monkeypatch):
-    """The batched head cache (ragged ingestion, holes, compaction) drafts what one row alone drafts."""
+@pytest.mark.parametrize("tree", [None, {"topk": 3, "total_tokens": 10}])
+def test_eagle3_batched_drafts_equal_single_row_drafts(monkeypatch, tree):
+    """The batched head cache (ragged ingestion, holes, compaction) and the batched EAGLE-2 trees draft
+    what one row alone drafts."""
     import spectrain.decoding as dec
 
     target = make_tiny_target("llama")
     prop = eagle3(target)
     prompts = [p for p in PROMPTS if len(p) > 1]
     seen: list = []
+    rule = "accept_chain" if tree is None else "accept_tree"
 
     def spy(logits, proposal, sampler):
-        seen.append(None if proposal is None else tuple(proposal.tokens.tolist()))
-        return acceptance.accept_chain(logits, proposal, sampler)
+        parents = None if proposal is None or proposal.is_chain else tuple(proposal.parents.tolist())
+        seen.append(None if proposal is None else (tuple(proposal.tokens.tolist()), parents))
+        return getattr(acceptance, rule)(logits, proposal, sampler)
 
-    monkeypatch.setattr(dec, "accept_chain", spy)
-    monkeypatch.setattr(batched, "accept_chain", spy)
-    speculative_generate(target, prop, prompts, 40, k=4, eos_token_id=[])
+    monkeypatch.setattr(dec, rule, spy)
+    monkeypatch.setattr(batched, rule, spy)
+    speculative_generate(target, prop, prompts, 40, k=4, eos_token_id=[], tree=tree)
     one, seen[:] = list(seen), []
-    speculative_generate(target, prop, prompts, 40, k=4, eos_token_id=[], batch_size=3)
+    speculative_generate(target, prop, prompts, 40, k=4, eos_token_id=[], tree=tree, batch_size=3)
     # batch size 1 records row after row, the batch step after step: the same proposals either way
     assert sorted(map(str, one)) == sorted(map(str, seen)) and len(set(one)) > 10
 
@@ -199,11 +203,12 @@ def test_bad_batch_size():
 # tests/test_sampling_exact.py; EAGLE-3 batches its own sampling, so it is checked here
 
 
-def test_batched_eagle3_sampling_is_exact_per_row():
-    """The batched EAGLE-3 chain samples its own q rows per row: the verifier must see the right ones."""
+@pytest.mark.parametrize("tree", [None, {"topk": 2, "total_tokens": 4}])
+def test_batched_eagle3_sampling_is_exact_per_row(tree):
+    """Batched EAGLE-3 chains and trees sample their own q rows per row: the verifier must see the right ones."""
     target = make_tiny_target("llama", vocab_size=3, layers=2, hidden=16)
     prompt, temp, n = [1, 2, 0], 1.3, 200
-    counts, stats = e2e_counts(target, eagle3(target, draft_vocab_size=3, seed=1), prompt, n, temp, batch_size=8)
+    counts, stats = e2e_counts(target, eagle3(target, draft_vocab_size=3, seed=1), prompt, n, temp, tree, 8)
     assert 0.05 < stats.acceptance_rate < 0.95
     assert chi_square_pvalue(counts, e2e_exact(target, prompt, temp), n) > 1e-3
 
