@@ -52,6 +52,7 @@ VARIANTS: dict[str, list[str]] = {
 NORMS = ["drafter.eagle3.norm_before_fc=true", "drafter.eagle3.norm_before_residual=true",
          "drafter.eagle3.norm_output=true"]  # speculators' default layer layout
 VARIANTS["best_norms"] = VARIANTS["best"] + NORMS
+VARIANTS["best_nbr"] = VARIANTS["best"] + NORMS[1:2]  # norm_before_residual only (what every vLLM computes)
 
 
 def sh(cmd: list[str], log: Path, threads: int) -> None:
@@ -143,12 +144,14 @@ def evaluate(a) -> None:
 def table(a) -> str:
     """tau [95% CI] per head and prompt set, T=0 and T=1, from the eval's report.json."""
     # decoding is deterministic per (head, prompt, seed + i), so evals split over several runs (tags) on
-    # the same prompts merge into one table; a head in several runs is taken from the first
+    # the same prompts merge into one table; a (head, set, T) cell in several runs is taken from the first
     recs, seen = [], set()
     for rep in sorted(a.work.glob(f"eval{a.steps}*/report.json")):
-        new = [r for r in json.loads(rep.read_text())["records"] if r["drafter"] not in seen]
-        seen |= {r["drafter"] for r in new}
-        recs += new
+        for r in json.loads(rep.read_text())["records"]:
+            key = (Path(r["drafter"]).name, r["prompt_set"], r["temperature"])
+            if key not in seen:
+                seen.add(key)
+                recs.append(r)
     sets = list(dict.fromkeys(r["prompt_set"] for r in recs))
     lines = []
     for temp in sorted({r["temperature"] for r in recs}):
