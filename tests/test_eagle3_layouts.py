@@ -150,7 +150,7 @@ def test_layout_saved_and_reloaded(target, tmp_path):
 
 
 def test_recipe_refuses_unsorted_aux_and_both_fc_norms():
-    with pytest.raises(ValueError, match=r"aux_layers=\[5, 2, 4\] must be ascending \(\[2, 4, 5\]\)"):
+    with pytest.raises(ValueError, match=r"aux_layers=\[5, 2, 4\]: give 3 layer ids in ascending order"):
         recipe_from_dict({"drafter": {"eagle3": {"aux_layers": [5, 2, 4]}}})
     with pytest.raises(ValueError, match="norm_before_fc and fc_norm are exclusive"):
         recipe_from_dict({"drafter": {"eagle3": {"norm_before_fc": True, "fc_norm": True}}})
