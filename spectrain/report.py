@@ -322,14 +322,14 @@ def sweep_markdown(sw: dict) -> list[str]:
           f"and for a deployment of this target in bf16 on {dep.get('name', '-')} "
           f"({_f(dep.get('bandwidth_GBps'), 0)} GB/s, {_f(dep.get('TFLOPs'), 0)} TFLOP/s).", "",
           "| drafter | config | B | plain tok/s | spec tok/s | **speedup** | latency plain / spec (s) | tau "
-          "| predicted, this CPU | predicted, deployment | greedy == plain |",
+          "| predicted, this machine | predicted, deployment | greedy == plain |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in sw["cells"]:
         md.append(f"| {c['drafter']} | {c['config']} | {c['batch_size']} | {_f(c['plain_tokens_per_s'], 1)} "
                   f"| {_f(c['tokens_per_s'], 1)} | **{_f(c['speedup'])}x** | {_f(c['plain_latency_s'])} / "
                   f"{_f(c['latency_s'])} | {_f(c['tau'])} | {_f(c.get('predicted_cpu'))}x "
                   f"| {_f(c.get('predicted_deployment'))}x | {c.get('greedy_identical_to_plain', '-')} |")
-    md += ["", "| drafter | config | crossover, measured | predicted, this CPU | predicted, deployment |",
+    md += ["", "| drafter | config | crossover, measured | predicted, this machine | predicted, deployment |",
            "|---|---|---|---|---|"]
 
     def where(b):
@@ -345,7 +345,7 @@ def sweep_markdown(sw: dict) -> list[str]:
 
 def plot_batch_sweep(out_dir: Path, sw: dict, target: str) -> Path:
     """Throughput and speedup vs batch size; one colour per drafter setting, chains solid, trees dashed;
-    predictions dotted (this CPU) and dash-dotted (deployment, right panel)."""
+    predictions dotted (this machine) and dash-dotted (deployment, right panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -365,7 +365,7 @@ def plot_batch_sweep(out_dir: Path, sw: dict, target: str) -> Path:
             axes[0].plot(bs, [c["plain_tokens_per_s"] for c in cs], color="black", marker="s", lw=2,
                          ls=":" if cs[0]["temperature"] else "-", label=f"plain T={cs[0]['temperature']:g}")
         axes[1].plot(bs, [c["speedup"] for c in cs], ls=ls, marker="o", color=colors(i % 10), label=f"{name} measured")
-        axes[1].plot(bs, [c.get("predicted_cpu") for c in cs], ls=":", color=colors(i % 10), label="predicted (CPU)")
+        axes[1].plot(bs, [c.get("predicted_cpu") for c in cs], ls=":", color=colors(i % 10), label="predicted (this machine)")
         curve = next((x.get("deployment_curve") for x in sw.get("crossover", []) if (x["drafter"], x["config"]) == key),
                      None)
         if curve:
