@@ -20,6 +20,6 @@ spectrain eval --recipe recipes/tiny/eagle3.yaml --target assets/reference-targe
     --prompts heldout --prompts spec_bench/mt_bench --prompts spec_bench/summarization \
     --prompts spec_bench/math_reasoning --prompts spec_bench/rag --prompts humaneval \
     --k 5 --tree topk=4,depth=5,total=32 --temperature 0 --temperature 1 \
-    --n "$N" --max-new-tokens 64 --out "$RUN/eval"
+    --n "$N" --max-new-tokens 64 --out "$RUN/eval" --force
 python scripts/plot_training.py "$RUN"
 echo "report: $RUN/eval/report.md"

@@ -33,6 +33,7 @@ import torch
 
 from spectrain.acceptance import accept_chain, accept_tree
 from spectrain.drafters.base import DraftContext
+from spectrain.masks import as_attn_mask, uniform_sliding_window
 
 
 @dataclass
@@ -158,7 +159,11 @@ class _Step:
                 continue
             n = len(p)
             ids[b, 1: n + 1] = p.tokens.to(dev)
-            parents = list(range(-1, n - 1)) if p.is_chain else p.parents.tolist()
+            if p.is_chain:  # node i sees the root and nodes 0..i
+                depth[b, 1: n + 1] = torch.arange(1, n + 1, device=dev)
+                anc[b, : n + 1, : n + 1] = torch.ones(n + 1, n + 1, dtype=torch.bool, device=dev).tril()
+                continue
+            parents = p.parents.tolist()
             depth[b, 1: n + 1] = torch.tensor(_depths(parents), device=dev)
             for i, par in enumerate(parents):
                 anc[b, i + 1] |= anc[b, par + 1]
@@ -200,27 +205,25 @@ class _Step:
 def _mask(target, slot_pos: torch.Tensor, qpos: torch.Tensor, anc: torch.Tensor, sizes: torch.Tensor):
     """[B, 1, q, S + q]: valid past slots (inside a uniform sliding window), tree ancestors, itself.
     Padded nodes (index > the row's proposal size) see only themselves: finite, and never seen."""
-    from spectrain.decoding import _as_attn_mask, _uniform_sliding_window
-
     B, q = qpos.shape
     real = torch.arange(q, device=qpos.device)[None, :] <= sizes[:, None]  # [B, q]
     past = (slot_pos >= 0)[:, None, :] & real[:, :, None]  # [B, q, S]
     span = int(qpos.max()) + 1
-    window = _uniform_sliding_window(target.config, span)
+    window = uniform_sliding_window(target.config, span)
     if window is not None:
         past &= (qpos[:, :, None] - slot_pos[:, None, :]) < window
         anc = anc & ((qpos[:, :, None] - qpos[:, None, :]) < window)
     mask = torch.cat([past, anc & real[:, None, :]], -1)
     mask |= torch.cat([torch.zeros_like(past), torch.eye(q, dtype=torch.bool, device=qpos.device).expand(B, q, q)],
                       -1)
-    return _as_attn_mask(target, mask[:, None])
+    return as_attn_mask(target, mask[:, None])
 
 
 def _prefill(target, rows, aux_layers, want_final, want_feats):
     """Feed every row's prompt[:-1], left padded; returns (cache, slot_pos [B, S])."""
     from transformers import DynamicCache
 
-    from spectrain.decoding import _as_attn_mask, _features, _uniform_sliding_window
+    from spectrain.decoding import _features
 
     dev = target.device
     B = len(rows)
@@ -239,10 +242,10 @@ def _prefill(target, rows, aux_layers, want_final, want_feats):
     causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
     mask = causal[None] & valid[:, None, :] & valid[:, :, None]
     mask |= torch.eye(L, dtype=torch.bool, device=dev)[None]  # pad queries see themselves: no NaN rows
-    window = _uniform_sliding_window(target.config, L)
+    window = uniform_sliding_window(target.config, L)
     if window is not None:
         mask &= (pos[:, :, None] - pos[:, None, :]) < window
-    out = target.forward(ids, position_ids=pos, attention_mask=_as_attn_mask(target, mask[:, None]), cache=cache,
+    out = target.forward(ids, position_ids=pos, attention_mask=as_attn_mask(target, mask[:, None]), cache=cache,
                          aux_layers=aux_layers, want_final_hidden=want_final, want_logits=False, use_cache=True)
     if want_feats:
         for b, (r, n) in enumerate(zip(rows, lens)):

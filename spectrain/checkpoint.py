@@ -6,11 +6,18 @@ Layout of a run directory (``recipe.output_dir``)::
     step-N/      drafter weights in save_pretrained form (config.json + model.safetensors ...)
                  trainer_state.json  (step, epoch, step in epoch, recipe hash, best tau, world size)
                  accelerate/         (accelerator.save_state: model, optimizer, scheduler, RNG per rank)
+                 scheduler.json      (the LR schedule's state: JSON, never a pickle)
+                 SHA256SUMS          (sha256 of every file; verified before a resume trusts them)
     last -> step-N                   (symlink to the newest complete checkpoint)
-    best/        drafter weights only, the best held-out simulated tau so far (+ best.json)
+    best/ init/  drafter weights only: the best held-out simulated tau so far (+ best.json) / the untrained head
+
+Nothing is unpickled from a checkpoint: accelerate's own files are read with ``weights_only=True`` (forced
+for every torch.load while the state loads), and a pickle spectrain did not write is refused by name.
 
 Every checkpoint is written into ``.tmp-step-N`` and renamed into place only when complete, so a
-crash or preemption mid-write never leaves a half checkpoint under a real name. Optimizer, RNG and
+crash or preemption mid-write never leaves a half checkpoint under a real name; a failed write removes its
+temp dir, and the temp dirs of a killed save are removed when the next run starts. ``best/`` and ``init/``
+are swapped in with one atomic exchange (renameat2), so there is no moment without them. Optimizer, RNG and
 model state go through ``accelerator.save_state`` so DDP / FSDP / DeepSpeed sharded states are
 saved by the engine that owns them, not by home-made code.
 """
@@ -30,8 +37,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spectrain import integrity
+from spectrain.errors import writing
+from spectrain.outputs import remove_leftovers, swap_in
+from spectrain.safe_resume import check_files, load_engine_state
+
 STATE_FILE = "trainer_state.json"
 ENGINE_DIR = "accelerate"
+SCHEDULER_FILE = "scheduler.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 # Keys that change where/how often things are written or logged but not what is computed; a resume
@@ -41,13 +54,17 @@ _HASH_EXEMPT = {
     ("training", "keep_checkpoints"), ("training", "num_workers"), ("training", "feature_cache"),
     ("training", "max_nan_steps"),
     ("data", "cache_dir"), ("tracking",), ("launch",), ("output_dir",),
+    # the run's length may grow on resume (an extended run; the schedule rule: README, "Resume")
+    ("training", "max_steps"), ("training", "epochs"),
 }
+_LENGTH_KEYS = {("training", "max_steps"), ("training", "epochs")}
 
 
-def training_fields(recipe_dict: dict) -> dict:
-    """The recipe without the fields a resume may change (see _HASH_EXEMPT)."""
+def training_fields(recipe_dict: dict, legacy: bool = False) -> dict:
+    """The recipe without the fields a resume may change (see _HASH_EXEMPT). ``legacy``: the fields of
+    checkpoints written before runs could be extended (the length was part of the hash)."""
     out = json.loads(json.dumps(recipe_dict))
-    for path in _HASH_EXEMPT:
+    for path in _HASH_EXEMPT - (_LENGTH_KEYS if legacy else set()):
         node = out
         for key in path[:-1]:
             node = node.get(key, {})
@@ -55,8 +72,8 @@ def training_fields(recipe_dict: dict) -> dict:
     return out
 
 
-def recipe_hash(recipe_dict: dict) -> str:
-    blob = json.dumps(training_fields(recipe_dict), sort_keys=True)
+def recipe_hash(recipe_dict: dict, legacy: bool = False) -> str:
+    blob = json.dumps(training_fields(recipe_dict, legacy), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -178,9 +195,10 @@ def save_drafter_dir(drafter, path: Path, state_dict: dict | None = None) -> Non
 
 
 def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: int,
-                    state_dict: dict | None = None) -> Path:
+                    state_dict: dict | None = None, scheduler=None) -> Path:
     """Collective (every rank calls it). Writes step-N atomically, repoints `last`, prunes old ones.
-    ``state_dict``: the drafter's gathered weights when ZeRO-3 / FSDP shard it (see save_drafter_dir)."""
+    ``state_dict``: the drafter's gathered weights when ZeRO-3 / FSDP shard it (see save_drafter_dir);
+    ``scheduler``: the LR scheduler, saved as JSON (accelerate would pickle it)."""
     step = int(state["step"])
     final = output_dir / f"step-{step}"
     tmp = output_dir / f".tmp-step-{step}"  # same name on every rank: they share the directory
@@ -188,11 +206,17 @@ def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: i
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / ENGINE_DIR))
-    accelerator.wait_for_everyone()  # other ranks may still be writing RNG state / ZeRO shards into tmp
+    # the main process removes the temp dir when a write fails (e.g. disk full): nothing half-written stays
+    with writing(tmp, name=final, remove=accelerator.is_main_process):
+        accelerator.save_state(str(tmp / ENGINE_DIR))
+        accelerator.wait_for_everyone()  # other ranks may still be writing RNG state / ZeRO shards into tmp
+        if accelerator.is_main_process:
+            save_drafter_dir(drafter, tmp, state_dict)
+            if scheduler is not None:
+                (tmp / SCHEDULER_FILE).write_text(json.dumps(scheduler.state_dict()))
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+            integrity.seal(tmp)
     if accelerator.is_main_process:
-        save_drafter_dir(drafter, tmp, state_dict)
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         if final.exists():  # a re-run of the same step (e.g. resumed then preempted again)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -222,21 +246,24 @@ def prune_checkpoints(output_dir: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def save_best(drafter, output_dir: Path, info: dict, state_dict: dict | None = None) -> Path:
-    """Main process only: best/ = loadable drafter weights + best.json, swapped in atomically."""
-    best = output_dir / "best"
-    tmp = output_dir / ".tmp-best"
-    old = output_dir / ".old-best"
+def save_drafter_atomic(drafter, final: Path, state_dict: dict | None = None, extra: dict | None = None) -> Path:
+    """Main process only: ``final`` (best/, init/) = loadable drafter weights (+ JSON files ``extra``) + SHA256SUMS,
+    written into a temp dir and swapped in atomically."""
+    tmp = final.with_name(f".tmp-{final.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_drafter_dir(drafter, tmp, state_dict)
-    (tmp / "best.json").write_text(json.dumps(info, indent=2))
-    shutil.rmtree(old, ignore_errors=True)
-    if best.exists():
-        os.replace(best, old)
-    os.replace(tmp, best)
-    shutil.rmtree(old, ignore_errors=True)
-    return best
+    with writing(tmp, name=final):
+        save_drafter_dir(drafter, tmp, state_dict)
+        for name, obj in (extra or {}).items():
+            (tmp / name).write_text(json.dumps(obj, indent=2))
+        integrity.seal(tmp)
+    swap_in(tmp, final)
+    return final
+
+
+def save_best(drafter, output_dir: Path, info: dict, state_dict: dict | None = None) -> Path:
+    """Main process only: best/ = loadable drafter weights + best.json, swapped in atomically."""
+    return save_drafter_atomic(drafter, output_dir / "best", state_dict, {"best.json": info})
 
 
 def find_resume_dir(output_dir: Path, resume_from: str) -> Path | None:
@@ -254,39 +281,72 @@ def find_resume_dir(output_dir: Path, resume_from: str) -> Path | None:
         raise FileNotFoundError(
             f"training.resume_from={resume_from!r} is not a checkpoint directory (no {STATE_FILE} in it); "
             f"give a step-N/ or last/ directory of a run, or resume_from=auto to pick the newest in output_dir")
-    return path.resolve()
+    path = path.resolve()
+    later = [p.name for n, p in list_checkpoints(output_dir) if path.parent == output_dir.resolve()
+             and n > int(read_state(path).get("step", 0))]
+    if later:  # resuming here would overwrite them with a branch of the run
+        raise ValueError(f"training.resume_from={resume_from!r}: {output_dir} holds later checkpoints "
+                         f"({', '.join(later)}) that this resume would overwrite; resume from the newest "
+                         "(training.resume_from=auto) or set a new output_dir")
+    return path
 
 
-def load_checkpoint(accelerator, ckpt: Path, recipe_dict: dict) -> dict:
-    """Restore model/optimizer/scheduler/RNG through accelerate; return the trainer state.
+def read_state(ckpt: Path) -> dict:
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+    except ValueError as e:
+        raise ValueError(f"{ckpt / STATE_FILE} is not valid JSON ({e}): the checkpoint is damaged; resume from "
+                         "another checkpoint of the run or start a fresh run") from None
+    if not isinstance(state, dict) or not {"step", "epoch", "step_in_epoch"} <= set(state):
+        raise ValueError(f"{ckpt / STATE_FILE} lacks step/epoch/step_in_epoch: not a spectrain trainer state")
+    return state
 
-    Refuses a checkpoint written by a recipe whose training-relevant fields differ (the loss
-    sequence would silently change), listing the differing keys.
-    """
-    state = json.loads((ckpt / STATE_FILE).read_text())
+
+def _check_recipe(ckpt: Path, state: dict, recipe_dict: dict) -> None:
+    """Refuse a checkpoint written by a recipe whose training-relevant fields differ, listing them."""
     want = recipe_hash(recipe_dict)
-    if state.get("recipe_hash") != want:
-        saved = ckpt.parent / "recipe.yaml"
-        detail = ""
-        if saved.is_file():
-            import yaml
+    if state.get("recipe_hash") in (want, recipe_hash(recipe_dict, legacy=True)):
+        return
+    saved = ckpt.parent / "recipe.yaml"
+    detail = ""
+    if saved.is_file():
+        import yaml
 
-            diffs = _diff(training_fields(yaml.safe_load(saved.read_text())), training_fields(recipe_dict))
-            detail = "\n  " + "\n  ".join(diffs[:20]) if diffs else ""
-        raise ValueError(
-            f"cannot resume from {ckpt}: it was written by a different recipe (hash {state.get('recipe_hash')} "
-            f"vs {want}); training-relevant fields differ:{detail or ' (run recipe.yaml not found)'}\n"
-            "Resume with the same recipe, or start a fresh run (training.resume_from='' and a new output_dir).")
+        diffs = _diff(training_fields(yaml.safe_load(saved.read_text())), training_fields(recipe_dict))
+        detail = "\n  " + "\n  ".join(diffs[:20]) if diffs else ""
+    raise ValueError(
+        f"cannot resume from {ckpt}: it was written by a different recipe (hash {state.get('recipe_hash')} "
+        f"vs {want}); training-relevant fields differ:{detail or ' (run recipe.yaml not found)'}\n"
+        "Resume with the same recipe (only training.max_steps / training.epochs may grow), or start a fresh "
+        "run (training.resume_from='' and a new output_dir).")
+
+
+def load_checkpoint(accelerator, ckpt: Path, recipe_dict: dict, scheduler=None) -> dict:
+    """Verify, then restore model/optimizer/RNG through accelerate and the schedule from JSON; return the
+    trainer state. Every torch.load accelerate makes meanwhile is forced to ``weights_only=True``."""
+    check_files(ckpt, legacy=not (ckpt / SCHEDULER_FILE).is_file())
+    state = read_state(ckpt)
+    _check_recipe(ckpt, state, recipe_dict)
     if state.get("world_size") != accelerator.num_processes and accelerator.is_main_process:
         print(f"resume: checkpoint was written with {state.get('world_size')} processes, now "
               f"{accelerator.num_processes}; the data order and global batch are unchanged (gradient "
               "accumulation re-derived), but per-rank RNG streams are not carried over exactly.")
-    accelerator.load_state(str(ckpt / ENGINE_DIR))
+    # An older spectrain registered the schedule with accelerate (custom_checkpoint_0.pkl): accelerate reads
+    # it this once, as plain data like everything else.
+    legacy = scheduler is not None and not (ckpt / SCHEDULER_FILE).is_file()
+    load_engine_state(accelerator, ckpt / ENGINE_DIR, scheduler if legacy else None)
+    if not legacy and scheduler is not None:
+        scheduler.load_state_dict(json.loads((ckpt / SCHEDULER_FILE).read_text()))
     return state
 
 
-def resume(accelerator, output_dir: Path, resume_from: str, recipe_dict: dict, metrics_path: Path) -> dict | None:
+def resume(accelerator, output_dir: Path, resume_from: str, recipe_dict: dict, metrics_path: Path,
+           scheduler=None) -> dict | None:
     """Apply training.resume_from: restore everything and return the trainer state, or None (fresh run)."""
+    if accelerator.is_main_process:
+        gone = remove_leftovers(output_dir)
+        if gone:
+            print(f"removed leftovers of an interrupted save in {output_dir}: {', '.join(sorted(gone))}")
     path = find_resume_dir(output_dir, resume_from)
     if path is None:
         if not resume_from and list_checkpoints(output_dir):
@@ -297,7 +357,7 @@ def resume(accelerator, output_dir: Path, resume_from: str, recipe_dict: dict, m
                 print(f"resume=auto: no checkpoint in {output_dir}; starting fresh")
             truncate_metrics(metrics_path, 0)  # records of an attempt that died before its first checkpoint
         return None
-    state = load_checkpoint(accelerator, path, recipe_dict)
+    state = load_checkpoint(accelerator, path, recipe_dict, scheduler)
     accelerator.step = 0  # accelerate's micro-step counter: we always stop at an optimizer-step boundary
     if accelerator.is_main_process:
         truncate_metrics(metrics_path, state["step"])

@@ -119,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     try:
         return _run(args)
-    except (ValueError, FileNotFoundError, OSError, KeyError) as e:
-        # Bad input is reported as one clear line, not a traceback.
-        print(f"spectrain {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except BaseException as e:  # one line + exit 2 for bad input; traceback only with SPECTRAIN_DEBUG=1
+        from spectrain.errors import report
+
+        return report(args.command, e)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import gzip
 import hashlib
 import json
 import os
+import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -399,6 +400,20 @@ def _split_rows(rows: list[dict], data_cfg, split: str) -> list[dict]:
     return picked
 
 
+def _read_cache(path: Path) -> ChatDataset | None:
+    """The cached split, or None when the file is damaged (truncated by a crash, a full disk, or edited):
+    it is named, removed and rebuilt by the caller. Plain tensors only: weights_only=True unpickles nothing."""
+    try:
+        st = torch.load(path, weights_only=True)
+        return ChatDataset(st["ids"], st["input_ids"], st["loss_mask"], st["offsets"],
+                           SkipReport.from_dict(st["report"]))
+    except Exception as e:  # zip/pickle/key errors: any of them means the file cannot be trusted
+        print(f"data: warning: tokenized-data cache {path} is corrupt ({type(e).__name__}: "
+              f"{' '.join(str(e).split())[:120]}); discarding it and rebuilding", file=sys.stderr)
+        path.unlink(missing_ok=True)
+        return None
+
+
 def build_dataset(data_cfg, tokenizer, split: str = "train", use_cache: bool = True,
                   verbose: bool = True) -> ChatDataset:
     """Load, split, tokenise and mask; cached under data_cfg.cache_dir (keyed by data, tokenizer, settings)."""
@@ -407,12 +422,11 @@ def build_dataset(data_cfg, tokenizer, split: str = "train", use_cache: bool = T
                          "tokenizer.chat_template in its tokenizer_config.json")
     path = Path(data_cfg.cache_dir) / f"{split}-{cache_key(data_cfg, tokenizer, split)}.pt"
     if use_cache and path.is_file():
-        st = torch.load(path, weights_only=True)
-        ds = ChatDataset(st["ids"], st["input_ids"], st["loss_mask"], st["offsets"],
-                         SkipReport.from_dict(st["report"]))
-        if verbose:
-            print(f"data: {split} split loaded from cache {path} ({len(ds)} rows)")
-        return ds
+        ds = _read_cache(path)
+        if ds is not None:
+            if verbose:
+                print(f"data: {split} split loaded from cache {path} ({len(ds)} rows)")
+            return ds
     rows, report = load_conversations(data_cfg.train_files, data_cfg.format, data_cfg.max_rows)
     picked = _split_rows(rows, data_cfg, split)
     report.other_split = len(rows) - len(picked)
@@ -438,7 +452,10 @@ def build_dataset(data_cfg, tokenizer, split: str = "train", use_cache: bool = T
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")  # atomic: several ranks may build at once
-        torch.save(ds.state(), tmp)
+        from spectrain.errors import writing
+
+        with writing(tmp, name=path):  # a failed write (disk full) leaves no partial cache file
+            torch.save(ds.state(), tmp)
         os.replace(tmp, path)
     return ds
 

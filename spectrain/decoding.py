@@ -26,7 +26,9 @@ import torch
 
 from spectrain.acceptance import accept_chain, accept_tree
 from spectrain.drafters.base import DraftContext, Drafter, Proposal, TargetFeatures
+from spectrain.masks import tree_mask
 from spectrain.sampling import Sampler
+from spectrain.validate import check_generate_args
 
 
 @dataclass
@@ -134,6 +136,7 @@ def speculative_generate(
     ``[]`` = never stop early. ``drafter=None`` is plain decoding (see ``plain_generate``).
     ``batch_size``: None = rows one after another; B = B rows per target pass (spectrain/batched.py).
     """
+    check_generate_args(target, drafter, input_ids, k, tree, temperature, top_p, top_k)
     if drafter is None:
         k = 0
     elif not isinstance(k, int) or k <= 0:
@@ -365,7 +368,7 @@ def _verify(target, cache, tokens, proposal, sampler, aux_layers, want_final):
         else:
             depth = torch.tensor([0] + _depths(proposal.parents.tolist()), device=dev)
             pos = P + depth
-            mask = _tree_mask(target, proposal.parents.tolist(), P, pos)
+            mask = tree_mask(target, proposal.parents.tolist(), P, pos)
     out = target.forward(ids[None], position_ids=pos[None], attention_mask=mask, cache=cache,
                          aux_layers=aux_layers, want_final_hidden=want_final, use_cache=True)
     logits = out.logits[0]
@@ -374,51 +377,6 @@ def _verify(target, cache, tokens, proposal, sampler, aux_layers, want_final):
     else:
         path, new, outcomes = accept_tree(logits, proposal, sampler)
     return path, new, outcomes, out
-
-
-def _tree_mask(target, parents: list[int], P: int, pos: torch.Tensor) -> torch.Tensor:
-    """[1, 1, q, P + q] mask: every node sees the whole past, its ancestors and itself."""
-    q = len(parents) + 1
-    dev = pos.device
-    tree = torch.zeros(q, q, dtype=torch.bool, device=dev)
-    tree[0, 0] = True
-    for i, par in enumerate(parents):
-        tree[i + 1] = tree[par + 1]
-        tree[i + 1, i + 1] = True
-    mask = torch.cat([torch.ones(q, P, dtype=torch.bool, device=dev), tree], dim=1)
-    window = _uniform_sliding_window(target.config, P + q)
-    if window is not None:
-        kpos = torch.cat([torch.arange(P, device=dev), pos])
-        mask &= (pos[:, None] - kpos[None, :]) < window
-    return _as_attn_mask(target, mask[None, None])
-
-
-def _as_attn_mask(target, mask: torch.Tensor) -> torch.Tensor:
-    """A 4-D bool mask (True = attend) in the form the target's attention implementation takes."""
-    impl = getattr(target.config, "_attn_implementation", "sdpa")
-    if impl == "sdpa" or impl is None:
-        return mask
-    if impl == "eager":  # eager adds the mask to the scores
-        zero = torch.zeros((), dtype=target.dtype, device=mask.device)
-        return torch.where(mask, zero, torch.finfo(target.dtype).min)
-    raise ValueError(f"tree verification and batched decoding need a custom attention mask, which "
-                     f"attn_implementation={impl!r} does not take; load the target with attn_implementation='sdpa' "
-                     "(or use chain drafts with batch_size=None)")
-
-
-def _uniform_sliding_window(config, length: int) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    if not window or length <= window:
-        return None
-    types = getattr(config, "layer_types", None)
-    if types is None and getattr(config, "use_sliding_window", True) is False:
-        return None
-    if types is not None and "sliding_attention" not in types:
-        return None
-    if types is not None and len(set(types)) > 1:
-        raise ValueError("tree verification beyond the sliding window of a model that mixes sliding and full "
-                         "attention layers is not supported (one custom mask serves all layers); use chain drafts")
-    return int(window)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,18 @@ def resolve_precision(precision: str) -> str:
     return precision
 
 
+def check_trackers(recipe) -> list[str]:
+    """The recipe's wandb / tensorboard trackers, each installed (also run by `spectrain check`)."""
+    import importlib.util
+
+    trackers = [t for t in recipe.tracking.report_to if t in ("wandb", "tensorboard")]
+    for t in trackers:
+        if importlib.util.find_spec(t) is None:
+            raise ValueError(f"tracking.report_to includes {t} but {t} is not installed: "
+                             f"pip install 'spectrain[{t}]' (or drop it from tracking.report_to)")
+    return trackers
+
+
 def resolve_num_threads(requested: int = 0) -> int:
     """torch CPU threads for this process: the recipe's ``training.num_threads``, else
     $SPECTRAIN_NUM_THREADS, else $OMP_NUM_THREADS, else the cores this process may run on (its CPU
@@ -49,13 +61,7 @@ def make_accelerator(recipe):
     # From the launcher's environment: building PartialState here would freeze its device choice
     # before Accelerator reads ACCELERATE_USE_CPU.
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    trackers = [t for t in recipe.tracking.report_to if t in ("wandb", "tensorboard")]
-    for t in trackers:
-        import importlib.util
-
-        if importlib.util.find_spec(t) is None:
-            raise ValueError(f"tracking.report_to includes {t} but {t} is not installed: "
-                             f"pip install 'spectrain[{t}]' (or drop it from tracking.report_to)")
+    trackers = check_trackers(recipe)
     handlers = []
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not torch.cuda.is_available():
         from accelerate.utils import InitProcessGroupKwargs

@@ -146,6 +146,9 @@ def load_prompt_set(name: str, prompts_dir: Path = PROMPTS_DIR, recipe=None,
         ps = PROMPT_SETS[name](Path(prompts_dir), recipe=recipe)
     elif Path(name).is_file():
         ps = load_jsonl_set(Path(name).name.split(".")[0], Path(name))
+    elif ("/" in name and not name.startswith("spec_bench/")) or name.endswith((".jsonl", ".gz", ".json")):
+        raise FileNotFoundError(f"prompt file {name} not found (a --prompts value with a path is read as a JSONL "
+                                f"file); check the path, or use a shipped set: {', '.join(PROMPT_SETS)}")
     else:
         raise ValueError(f"unknown prompt set {name!r}: use one of {', '.join(PROMPT_SETS)} or a JSONL file path")
     trained_on = {Path(f).name for f in recipe.data.train_files} if recipe is not None else set()
@@ -244,7 +247,10 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--cost-ratio", type=float, default=None,
                    help="c = one draft step's cost relative to one target pass, for the predicted speedup "
                         "tau/(1+k*c) (default: the c measured in this run, labelled as measured)")
-    p.add_argument("--out", default=None, help="output dir (default runs/eval-<UTC timestamp>)")
+    p.add_argument("--out", default=None, help="output dir (default runs/eval-<UTC timestamp>); must not exist "
+                                               "unless --force")
+    p.add_argument("--force", action="store_true", help="replace an existing --out whole once the new report is "
+                                                        "written (never mixed with its old files)")
     p.add_argument("--report-to", choices=["none", "wandb", "tensorboard"], action="append", default=None,
                    help="also log one scalar per (drafter, decode, prompt set), curves and tables to wandb "
                         "(WANDB_MODE=offline works without network) or tensorboard; repeatable")
@@ -299,6 +305,16 @@ def validate_args(args) -> None:
     from spectrain.sweep import validate_sweep_args
 
     validate_sweep_args(args)
+    check_out(args)
+
+
+def check_out(args) -> None:
+    """--out is checked before any model is loaded (not after all the decoding): see spectrain/outputs.py."""
+    from spectrain.outputs import refuse_inside_run, resolve_out
+
+    args.out = resolve_out(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}",
+                           getattr(args, "force", False))
+    refuse_inside_run(args.out)
 
 
 # ---- running ------------------------------------------------------------------------------------------------
@@ -323,13 +339,10 @@ def _new_cell() -> dict:
 
 def _decode_into(cell: dict, fn, **kw) -> None:
     """One prompt through `fn` (plain or speculative), timed end to end, accumulated into `cell`."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn(**kw)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    cell["seconds"] += time.perf_counter() - t0
+    from spectrain.sweep import timed
+
+    out, seconds = timed(fn, **kw)
+    cell["seconds"] += seconds
     cell["tokens"] += len(out.tokens)
     cell["outputs"].append(list(out.tokens))
     cell["stats"].append(out.stats)
@@ -390,6 +403,9 @@ def main(args) -> int:
                          "pass --no-chat-template to feed the raw prompt text")
     ctx = target.max_positions
     max_len = None if ctx is None else ctx - args.max_new_tokens  # the decoder refuses anything longer
+    if max_len is not None and max_len < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the target's context "
+                         f"window of {ctx} positions: use --max-new-tokens < {ctx}")
     encoded = _encode_all(sets, target.tokenizer, max_len, args)
     drafters = _load_drafters(args.drafter, target)
     plan = {d: _configs(args, drafters[d]) for d in drafters}
@@ -410,12 +426,14 @@ def main(args) -> int:
                 records.append(report.make_record(d, cfg, ps, cell, baselines[(cfg.temperature, ps.name)],
                                                   args.cost_ratio))
     meta = report.run_metadata(args, target_name, target, sets, baselines)
+    from spectrain.outputs import staged_dir
     from spectrain.sweep import batch_sweep
 
     sweep = batch_sweep(target, drafters, plan, encoded, args) if getattr(args, "batch_size", None) else None
-    out_dir = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-    paths = report.write_all(out_dir, meta, records, report_to=args.report_to, wandb_project=args.wandb_project,
-                             batch_sweep=sweep)
+    with staged_dir(args.out) as tmp:  # lands whole or not at all; --force replaces, never mixes
+        paths = report.write_all(tmp, meta, records, report_to=args.report_to, wandb_project=args.wandb_project,
+                                 batch_sweep=sweep)
+    paths = [args.out / p.relative_to(tmp) for p in paths]
     print(report.summary_table(records, meta))
     if sweep is not None:
         print("\n".join(report.sweep_markdown(sweep)))

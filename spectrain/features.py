@@ -34,6 +34,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from spectrain.errors import writing
+from spectrain.integrity import sha256
+
 FORMAT_VERSION = 1
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 FP8_MAX = 448.0  # largest finite float8 e4m3fn value
@@ -71,14 +74,6 @@ def data_hash(rows) -> str:
         h.update(torch.as_tensor(r["input_ids"]).to(torch.int64).numpy().tobytes())
         h.update(torch.as_tensor(r["loss_mask"]).to(torch.uint8).numpy().tobytes() + b"|")
     return h.hexdigest()[:32]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +156,7 @@ def _reusable(out: Path, name: str, known: dict, a: int, b: int) -> dict | None:
     side = out / f"{name}.json"
     for s in (known.get(name), json.loads(side.read_text()) if side.is_file() else None):
         if s and s["row_start"] == a and s["rows"] == b - a and (out / name).is_file() \
-                and _sha256(out / name) == s["sha256"]:
+                and sha256(out / name) == s["sha256"]:
             return s
     return None
 
@@ -171,10 +166,11 @@ def _write_shard(target, out: Path, name: str, split: str, rows, a: int, b: int,
     tensors = _compute_shard(target, [rows[i] for i in range(a, b)], aux_layers, dtype, batch_size, progress)
     path = out / name
     tmp = out / f"{name}.tmp{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"split": split, "row_start": str(a)})
+    with writing(tmp, name=path):  # a failed write (disk full) leaves no half shard; finished ones stay (resume)
+        save_file(tensors, str(tmp), metadata={"split": split, "row_start": str(a)})
     os.replace(tmp, path)
     entry = {"file": name, "row_start": a, "rows": b - a, "lengths": lengths[a:b], "tokens": sum(lengths[a:b]),
-             "bytes": path.stat().st_size, "sha256": _sha256(path)}
+             "bytes": path.stat().st_size, "sha256": sha256(path)}
     # The sidecar is how another rank (or a resumed run) learns that this shard is finished.
     side = out / f"{name}.json.tmp{os.getpid()}"
     side.write_text(json.dumps(entry))
@@ -326,7 +322,7 @@ class FeatureCache:
         if p.stat().st_size != sh["bytes"]:
             raise ValueError(f"feature shard {p} is truncated or modified ({p.stat().st_size} bytes, manifest "
                              f"says {sh['bytes']}); rerun `spectrain prepare-features` to rewrite it")
-        if self.verify != "none" and _sha256(p) != sh["sha256"]:
+        if self.verify != "none" and sha256(p) != sh["sha256"]:
             raise ValueError(f"feature shard {p} is corrupt (sha256 differs from the manifest); rerun "
                              "`spectrain prepare-features` to rewrite it")
         try:

@@ -19,9 +19,7 @@ import copy
 import dataclasses
 import difflib
 import functools
-import os
 import re
-import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,6 +264,20 @@ def _require(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def check_draft_layers(init: str, num_layers: int | None = None) -> list[int]:
+    """The layer ids of drafter.draft.init=layers:i,j,... : increasing, and (given the target's depth) in
+    range. One check for the recipe, `spectrain check` and the training's layer_subset."""
+    if not init.startswith("layers:"):
+        return []
+    layers = [int(x) for x in init.split(":", 1)[1].split(",")]
+    _require(all(b > a for a, b in zip(layers, layers[1:])),
+             f"drafter.draft.init={init}: list the layer ids in increasing order without repeats (e.g. layers:0,7)")
+    bad = [i for i in layers if num_layers is not None and not 0 <= i < num_layers]
+    _require(not bad, f"drafter.draft.init={init}: layer ids {bad} are out of range; the target has {num_layers} "
+                      f"decoder layers (ids 0..{(num_layers or 1) - 1})")
+    return layers
+
+
 def validate(r: Recipe) -> Recipe:
     """Numeric and cross-field sanity. Raises ValueError naming the key and the fix."""
     d, t, dr = r.data, r.training, r.drafter
@@ -297,10 +309,10 @@ def validate(r: Recipe) -> Recipe:
     e = dr.eagle3
     _require(all(i >= 0 for i in e.aux_layers) and len(set(e.aux_layers)) == len(e.aux_layers),
              f"drafter.eagle3.aux_layers={e.aux_layers} must be distinct layer ids >= 0 ([] = derive)")
-    _require(list(e.aux_layers) == sorted(e.aux_layers),
-             f"drafter.eagle3.aux_layers={e.aux_layers} must be ascending ({sorted(e.aux_layers)}): vLLM, SGLang and "
-             "TensorRT-LLM feed fc the captured layers in ascending order, so a head trained in another order "
-             "computes garbage there")
+    _require(not e.aux_layers or (len(e.aux_layers) == 3 and e.aux_layers == sorted(e.aux_layers)),
+             f"drafter.eagle3.aux_layers={e.aux_layers}: give 3 layer ids in ascending order (or [] to derive "
+             "them): vLLM, SGLang and TensorRT-LLM build fc for exactly 3 captured layers and feed them in "
+             "ascending order, so they refuse (or silently mis-serve) any other head")
     _require(e.sliding_window >= 0, f"drafter.eagle3.sliding_window={e.sliding_window} must be >= 0 (0 = full attention)")
     _require(not (e.norm_before_fc and e.fc_norm),
              "drafter.eagle3.norm_before_fc and fc_norm are exclusive (one norm over the concatenated aux states, or "
@@ -315,6 +327,7 @@ def validate(r: Recipe) -> Recipe:
     _require(dr.medusa.num_resblocks >= 0, "drafter.medusa.num_resblocks must be >= 0")
     _require(bool(_INIT_RE.match(dr.draft.init)),
              f"drafter.draft.init={dr.draft.init!r}: use pretrained, config, or layers:<i>,<j>,... (e.g. layers:0,1)")
+    check_draft_layers(dr.draft.init)
     if dr.kind == "draft":
         _require(bool(dr.draft.model) or dr.draft.init.startswith("layers:"),
                  f"drafter.draft.model is empty but init={dr.draft.init}: give a model id/path, "
@@ -399,11 +412,18 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     validate. Errors name the file and the key."""
     from spectrain.resources import anchor_shipped_paths, resolve_recipe
 
+    if Path(path).expanduser().is_dir():
+        raise IsADirectoryError(f"recipe {path} is a directory: give a YAML recipe file (e.g. {path}/eagle3.yaml)")
     path, shipped = resolve_recipe(str(path))
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from None
+        raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text (UTF-8 YAML) file") from None
+    if raw is None:
+        raise ValueError(f"{path} is empty: a recipe needs at least the sections it changes (see recipes/tiny/*.yaml; "
+                         "an explicit `{}` means all defaults)")
     if raw is not None and not isinstance(raw, dict):
         raise ValueError(f"{path}: a recipe must be a mapping of sections (target:, data:, drafter: ...)")
     if shipped and raw:
@@ -414,94 +434,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise ValueError(f"{path}: {e}") from None
 
 
-def _fail(msg: str) -> int:
-    print(f"spectrain check: FAILED: {msg}", file=sys.stderr)
-    return 2  # bad input, like every other command
-
-
-def _check_target(r: Recipe):
-    """Config + tokenizer (no weights) and their consistency with the recipe. Returns (config, tok)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    src, trc = r.target.name_or_path, r.target.trust_remote_code
-    p = Path(src).expanduser()
-    looks_local = src.startswith((".", "/", "~")) or src.count("/") > 1 or ("/" in src and Path(src.split("/")[0]).is_dir())
-    if not p.exists() and looks_local:
-        # Looks like a local path (e.g. assets/reference-target); do not fall through to hub retries.
-        raise ValueError(f"target model dir not found: {src} (relative to {Path.cwd()}); build or download it, "
-                         "or set target.name_or_path to an HF hub id")
-    try:
-        cfg = AutoConfig.from_pretrained(src, trust_remote_code=trc)
-        tok = AutoTokenizer.from_pretrained(src, trust_remote_code=trc)
-    except Exception as e:  # HF raises OSError / ValueError / HTTP errors; all mean "cannot load"
-        raise ValueError(f"cannot load target config/tokenizer from {src!r} ({type(e).__name__}: {e}). "
-                         "Give a local model dir or a hub id reachable from this machine.") from None
-    if hasattr(cfg, "get_text_config"):  # multimodal configs keep the LM's fields in a sub-config
-        cfg = cfg.get_text_config()
-    if not tok.chat_template:
-        raise ValueError(f"target tokenizer {src!r} has no chat template; use an instruct/chat model "
-                         "or add chat_template to its tokenizer_config.json")
-    if len(tok) > cfg.vocab_size:
-        raise ValueError(f"tokenizer has {len(tok)} tokens but the model's vocab_size is {cfg.vocab_size}")
-    e = r.drafter.eagle3
-    if r.drafter.kind == "eagle3":
-        if e.draft_vocab_size > cfg.vocab_size:
-            raise ValueError(f"drafter.eagle3.draft_vocab_size={e.draft_vocab_size} exceeds the target vocab "
-                             f"({cfg.vocab_size}); set it <= {cfg.vocab_size}")
-        n = cfg.num_hidden_layers
-        bad = [i for i in e.aux_layers if i >= n]
-        if bad:
-            raise ValueError(f"drafter.eagle3.aux_layers {bad} out of range: the target has {n} layers "
-                             f"(ids are layer inputs, 0..{n - 1}; the final output is not an aux layer)")
-    if r.drafter.kind == "draft" and r.drafter.draft.model:
-        d = r.drafter.draft.model
-        dtok = AutoTokenizer.from_pretrained(d, trust_remote_code=trc)
-        if dtok.get_vocab() != tok.get_vocab():  # token strings, not just sizes, must agree
-            raise ValueError(f"draft model {d!r} has a different tokenizer vocabulary than the target "
-                             f"({len(dtok)} vs {len(tok)} tokens): a draft must share the target's tokenizer")
-    return cfg, tok
-
-
-def _check_data(r: Recipe, tok) -> list[str]:
-    from spectrain.data import load_conversations, tokenize_conversations
-
-    rows, report = load_conversations(r.data.train_files, r.data.format, max_rows=64)
-    encoded = tokenize_conversations(tok, [row["messages"] for row in rows[:16]], r.data.max_length)
-    good = [res for res in encoded if not isinstance(res, ValueError) and any(res[1])]
-    errors = [str(res) for res in encoded if isinstance(res, ValueError)]
-    if not good:
-        why = f"the chat template failed: {errors[0]}" if errors else \
-            f"raise data.max_length (now {r.data.max_length}) or check the chat template"
-        raise ValueError(f"no sampled conversation has an assistant token under the loss mask; {why}")
-    ids, mask = good[0]
-    reply = tok.decode([t for t, m in zip(ids, mask) if m])
-    return [f"data sample: {len(rows)} rows read ({sum(report.skipped.values())} skipped), "
-            f"{len(good)}/{len(encoded)} tokenised with assistant tokens ({len(errors)} template errors), "
-            f"mean length {sum(len(g[0]) for g in good) / len(good):.0f}, "
-            f"mean assistant tokens {sum(sum(g[1]) for g in good) / len(good):.0f}",
-            f"first reply under the mask: {reply[:70]!r}"]
-
-
 def check_main(recipe_path: str, overrides: list[str]) -> int:
-    """`spectrain check`: print the resolved recipe, then verify target, tokenizer and a data sample."""
-    try:
-        r = load_recipe(recipe_path, overrides)
-    except (ValueError, FileNotFoundError) as e:
-        return _fail(str(e))
-    print(r.to_yaml().rstrip())
-    print("---")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        accum = r.training.grad_accum(world)
-        cfg, tok = _check_target(r)
-        data_lines = _check_data(r, tok)
-    except (ValueError, FileNotFoundError) as e:
-        return _fail(str(e))
-    print(f"OK target {r.target.name_or_path}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
-          f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size} (tokenizer {len(tok)}), chat template present")
-    print(f"OK batch: global {r.training.global_batch_size} = micro {r.training.micro_batch_size} "
-          f"x world {world} x grad_accum {accum}")
-    for line in data_lines:
-        print(f"OK {line}")
-    print(f"OK recipe {recipe_path} ({r.drafter.kind}, loss {r.drafter.loss}) -> {r.output_dir}")
-    return 0
+    """`spectrain check` (spectrain/check.py: everything `train` would refuse that the recipe, the target's
+    config and tokenizer and a data sample can show)."""
+    from spectrain.check import main
+
+    return main(recipe_path, overrides)

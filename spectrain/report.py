@@ -316,20 +316,20 @@ def sweep_markdown(sw: dict) -> list[str]:
     md = ["## Batch size: throughput and the crossover", "",
           f"{sw['rows']} rows ({sw['distinct_prompts']} distinct prompts), {sw['max_new_tokens']} new tokens each, the "
           "same rows at every batch size; plain = the target alone in the same batched loop. tok/s = tokens over "
-          "the whole batch per second; latency = mean per-row seconds from the start of its batch to its last "
-          "token. **predicted** = roofline model (README: Batched decoding and the crossover), on this machine "
+          f"the whole batch per second (median of {sw.get('repeats', 1)} interleaved repeats); latency = mean "
+          "per-row seconds from the start of its batch to its last token. **predicted** = roofline model (README: Batched decoding and the crossover), on this machine "
           f"({cpu.get('name', '-')}: {_f(cpu.get('bandwidth_GBps'), 1)} GB/s, {_f(cpu.get('TFLOPs'), 3)} TFLOP/s) "
           f"and for a deployment of this target in bf16 on {dep.get('name', '-')} "
           f"({_f(dep.get('bandwidth_GBps'), 0)} GB/s, {_f(dep.get('TFLOPs'), 0)} TFLOP/s).", "",
           "| drafter | config | B | plain tok/s | spec tok/s | **speedup** | latency plain / spec (s) | tau "
-          "| predicted, this CPU | predicted, deployment | greedy == plain |",
+          "| predicted, this machine | predicted, deployment | greedy == plain |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in sw["cells"]:
         md.append(f"| {c['drafter']} | {c['config']} | {c['batch_size']} | {_f(c['plain_tokens_per_s'], 1)} "
                   f"| {_f(c['tokens_per_s'], 1)} | **{_f(c['speedup'])}x** | {_f(c['plain_latency_s'])} / "
                   f"{_f(c['latency_s'])} | {_f(c['tau'])} | {_f(c.get('predicted_cpu'))}x "
                   f"| {_f(c.get('predicted_deployment'))}x | {c.get('greedy_identical_to_plain', '-')} |")
-    md += ["", "| drafter | config | crossover, measured | predicted, this CPU | predicted, deployment |",
+    md += ["", "| drafter | config | crossover, measured | predicted, this machine | predicted, deployment |",
            "|---|---|---|---|---|"]
 
     def where(b):
@@ -345,7 +345,7 @@ def sweep_markdown(sw: dict) -> list[str]:
 
 def plot_batch_sweep(out_dir: Path, sw: dict, target: str) -> Path:
     """Throughput and speedup vs batch size; one colour per drafter setting, chains solid, trees dashed;
-    predictions dotted (this CPU) and dash-dotted (deployment, right panel)."""
+    predictions dotted (this machine) and dash-dotted (deployment, right panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -358,14 +358,14 @@ def plot_batch_sweep(out_dir: Path, sw: dict, target: str) -> Path:
     for i, key in enumerate(keys):
         cs = [c for c in sw["cells"] if (c["drafter"], c["config"]) == key]
         bs, ls = [c["batch_size"] for c in cs], "--" if cs[0]["tree"] else "-"
-        name = f"{Path(key[0]).name or key[0]} · {key[1]}"
+        name = f"{'/'.join(Path(key[0]).parts[-2:]) or key[0]} · {key[1]}"
         axes[0].plot(bs, [c["tokens_per_s"] for c in cs], ls=ls, marker="o", color=colors(i % 10), label=name)
         if cs[0]["temperature"] not in plain_done:
             plain_done.add(cs[0]["temperature"])
             axes[0].plot(bs, [c["plain_tokens_per_s"] for c in cs], color="black", marker="s", lw=2,
                          ls=":" if cs[0]["temperature"] else "-", label=f"plain T={cs[0]['temperature']:g}")
         axes[1].plot(bs, [c["speedup"] for c in cs], ls=ls, marker="o", color=colors(i % 10), label=f"{name} measured")
-        axes[1].plot(bs, [c.get("predicted_cpu") for c in cs], ls=":", color=colors(i % 10), label="predicted (CPU)")
+        axes[1].plot(bs, [c.get("predicted_cpu") for c in cs], ls=":", color=colors(i % 10), label="predicted (this machine)")
         curve = next((x.get("deployment_curve") for x in sw.get("crossover", []) if (x["drafter"], x["config"]) == key),
                      None)
         if curve:

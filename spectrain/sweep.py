@@ -29,10 +29,14 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                         "(default H100 when --batch-size is given)")
     p.add_argument("--gpu-bandwidth", type=float, default=None, help="memory bandwidth in GB/s (overrides --gpu)")
     p.add_argument("--gpu-flops", type=float, default=None, help="dense bf16 TFLOP/s (overrides --gpu)")
+    p.add_argument("--sweep-repeats", type=int, default=1,
+                   help="measure every batch-size cell N times, interleaved, and keep the median (noisy machines)")
 
 
 def validate_sweep_args(args) -> None:
     bs = args.batch_size
+    if getattr(args, "sweep_repeats", 1) < 1:
+        raise ValueError(f"--sweep-repeats must be >= 1, got {args.sweep_repeats}")
     if bs is not None and any(b < 1 for b in bs):
         raise ValueError(f"--batch-size must be >= 1, got {bs}")
     for name in ("gpu_bandwidth", "gpu_flops"):
@@ -51,7 +55,7 @@ def batch_sweep(target, drafters: dict, plan: dict, encoded: dict, args) -> dict
     """The measured sweep with the roofline prediction beside it (what `spectrain eval` reports)."""
     from tqdm.auto import tqdm
 
-    n = len(args.batch_size) * sum(len(c) for c in plan.values())
+    n = len(args.batch_size) * sum(len(c) for c in plan.values()) * args.sweep_repeats
     with tqdm(total=n, desc="batch-size sweep", unit="cell") as bar:
         result = run_sweep(target, drafters, plan, encoded, args, bar)
     local = roofline.measure_cpu_peaks() if target.device.type == "cpu" else args.deployment
@@ -64,7 +68,8 @@ def _rows(encoded: dict[str, list[list[int]]], n: int) -> list[list[int]]:
     return [pool[i % len(pool)] for i in range(n)]
 
 
-def _timed(fn, **kw) -> tuple[list, float]:
+def timed(fn, **kw):
+    """(fn(**kw), seconds), with CUDA work finished on both ends."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -92,20 +97,30 @@ def run_sweep(target, drafters: dict, plan: dict, encoded: dict, args, bar=None)
     rows = _rows(encoded, max(sizes))
     common = dict(target=target, input_ids=rows, max_new_tokens=args.max_new_tokens, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed)
-    cells = []
-    for temp in args.temperature:
-        for B in sizes:
-            plain = _cell(*_timed(plain_generate, temperature=temp, batch_size=B, **common))
-            for d, cfgs in plan.items():
-                for cfg in (c for c in cfgs if c.temperature == temp):
-                    spec = _cell(*_timed(speculative_generate, drafter=drafters[d], k=cfg.k, tree=cfg.tree,
-                                         temperature=temp, batch_size=B, **common))
-                    cells.append(_record(d, cfg, B, spec, plain))
-                    if bar is not None:
-                        bar.update(1)
+    runs: dict = {}  # (temperature, B, drafter or None, config label) -> cells of the repeats
+    for _ in range(args.sweep_repeats):  # interleaved, so load drift on a shared machine hits every cell alike
+        for temp in args.temperature:
+            for B in sizes:
+                runs.setdefault((temp, B, None, None), []).append(
+                    _cell(*timed(plain_generate, temperature=temp, batch_size=B, **common)))
+                for d, cfgs in plan.items():
+                    for cfg in (c for c in cfgs if c.temperature == temp):
+                        runs.setdefault((temp, B, d, cfg.label), []).append(_cell(*timed(
+                            speculative_generate, drafter=drafters[d], k=cfg.k, tree=cfg.tree, temperature=temp,
+                            batch_size=B, **common)))
+                        if bar is not None:
+                            bar.update(1)
+    cells = [_record(d, cfg, B, _median(runs[(temp, B, d, cfg.label)]), _median(runs[(temp, B, None, None)]))
+             for temp in args.temperature for B in sizes for d, cfgs in plan.items() for cfg in cfgs
+             if cfg.temperature == temp]
     return {"batch_sizes": sizes, "rows": len(rows), "distinct_prompts": len({tuple(r) for r in rows}),
+            "repeats": args.sweep_repeats,
             "max_new_tokens": args.max_new_tokens, "cells": cells,
             "context": sum(map(len, rows)) / len(rows) + args.max_new_tokens / 2}
+
+
+def _median(cells: list[dict]) -> dict:
+    return sorted(cells, key=lambda c: c["tokens_per_s"] or 0.0)[len(cells) // 2]
 
 
 def _record(drafter: str, cfg, B: int, spec: dict, plain: dict) -> dict:

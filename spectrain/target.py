@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -229,6 +230,31 @@ def _final_norm(model: nn.Module) -> nn.Module:
     raise ValueError(f"cannot find the final norm of {type(model).__name__} (looked for norm/final_layernorm/ln_f)")
 
 
+def looks_local(src: str) -> bool:
+    """A path rather than a hub id (``org/name``): a missing one is "not found", not a hub lookup."""
+    return src.startswith((".", "/", "~")) or src.count("/") > 1 or ("/" in src and Path(src.split("/")[0]).is_dir())
+
+
+def _check_source(name_or_path, device) -> None:
+    """Fail with the cause before transformers does (its errors for these are long and indirect)."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"device {str(device)!r} is not a torch device: use cpu, cuda, cuda:1, mps ...") from None
+    if kind != "cpu" and not getattr(getattr(torch, kind, None), "is_available", lambda: True)():
+        raise ValueError(f"device {str(device)!r} is not available in this torch build/machine (torch "
+                         f"{torch.__version__}, {kind} available: no); use --device cpu or install a {kind} build")
+    p = Path(str(name_or_path)).expanduser()
+    if not p.exists() and looks_local(str(name_or_path)):
+        raise FileNotFoundError(f"target model dir not found: {name_or_path} (relative to {Path.cwd()}); build or "
+                                "download it, or give an HF hub id")
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise FileNotFoundError(f"target {str(name_or_path)!r} is a directory without config.json: not an HF model "
+                                "directory; give the model's own directory or a hub id")
+    if p.is_file():
+        raise ValueError(f"target {str(name_or_path)!r} is a file: give an HF model directory or a hub id")
+
+
 def load_target(
     name_or_path: str,
     dtype: str | torch.dtype | None = "auto",
@@ -242,6 +268,7 @@ def load_target(
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    _check_source(name_or_path, device)
     torch_dtype = resolve_dtype(dtype, device)
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if attn_implementation:

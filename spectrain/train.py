@@ -213,8 +213,8 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
                          f"{t.global_batch_size}; lower the batch size or add data")
     total = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t.schedule, t.warmup_steps, total))
+    # The schedule is saved as JSON by spectrain.checkpoint, not registered with accelerate (which pickles it).
     model, opt = acc.prepare(_LossModule(drafter, target), opt)
-    acc.register_for_checkpointing(sched)
     out = Path(recipe.output_dir)
     return Run(acc=acc, recipe=recipe, target=target, drafter=drafter, model=model, opt=opt, sched=sched,
                params=params, train_src=train_src, held_src=held_src, out=out, total=total,
@@ -378,7 +378,26 @@ def save(run) -> Path:
     drafter = run.acc.unwrap_model(run.model).drafter
     sd = full_state_dict(drafter) if is_sharded(drafter) else None  # collective
     return ckpt.save_checkpoint(run.acc, drafter, run.out, state, run.recipe.training.keep_checkpoints,
-                                state_dict=sd)
+                                state_dict=sd, scheduler=run.sched)
+
+
+def extend(run, saved: dict) -> None:
+    """A resume whose training.max_steps / epochs changed the run's length. It may grow (the run goes on);
+    the LR schedule is then the one of the new length, from the resumed step on (README, "Resume")."""
+    old = saved.get("total_steps", run.total)
+    if run.total < saved["step"]:
+        raise ValueError(f"the recipe now stops at step {run.total} but the checkpoint is at step {saved['step']}: "
+                         "a resume can only keep or grow the run's length (training.max_steps / training.epochs)")
+    if run.total == old:
+        return
+    t = run.recipe.training
+    for group, base in zip(run.opt.param_groups, run.sched.base_lrs):  # the step about to run, on the new curve
+        group["lr"] = base * lr_factor(saved["step"], t.schedule, t.warmup_steps, run.total)
+    run.sched._last_lr = [g["lr"] for g in run.opt.param_groups]
+    if run.acc.is_main_process:
+        print(f"resume: the run's length changed from {old} to {run.total} steps; the {t.schedule} LR schedule "
+              f"continues on the curve of the new length from step {saved['step']} (lr now "
+              f"{run.opt.param_groups[0]['lr']:.3g})")
 
 
 # ---- the loop ----------------------------------------------------------------------------------------
@@ -391,12 +410,13 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
 
     run = setup(recipe, target, train_rows, heldout_rows)
     acc, t = run.acc, recipe.training
-    saved = ckpt.resume(acc, run.out, t.resume_from, recipe.to_dict(), run.metrics_path)
+    saved = ckpt.resume(acc, run.out, t.resume_from, recipe.to_dict(), run.metrics_path, run.sched)
     if saved is not None:
         run.state = {k: saved[k] for k in run.state}
+        extend(run, saved)
     else:
         # the untrained head: the baseline a report compares the trained one against
-        save_drafter(run, lambda d, sd: ckpt.save_drafter_dir(d, run.out / "init", sd))
+        save_drafter(run, lambda d, sd: ckpt.save_drafter_atomic(d, run.out / "init", sd))
     from spectrain.features import target_fingerprint
 
     ckpt.start_run(acc, recipe, {"target_fingerprint": target_fingerprint(run.target),

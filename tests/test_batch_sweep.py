@@ -15,10 +15,10 @@ def test_sweep_report(workdir, tmp_path):  # noqa: F811
     out = tmp_path / "sweep"
     argv = ["eval", "--recipe", str(workdir / "recipe.yaml"), "--drafter", "ngram", "--prompts", "heldout",
             "--n", "3", "--max-new-tokens", "6", "--k", "3", "--tree", "topk=2,depth=3", "--temperature", "0",
-            "--batch-size", "4", "--batch-size", "1", "--batch-size", "2", "--gpu", "a100", "--out", str(out)]
+            "--batch-size", "4", "--batch-size", "1", "--batch-size", "2", "--gpu", "a100", "--sweep-repeats", "2", "--out", str(out)]
     assert cli_main(argv) == 0
     sw = json.loads((out / "report.json").read_text())["batch_sweep"]
-    assert sw["batch_sizes"] == [1, 2, 4] and sw["rows"] == 4 and sw["distinct_prompts"] == 3
+    assert sw["batch_sizes"] == [1, 2, 4] and sw["rows"] == 4 and sw["repeats"] == 2 and sw["distinct_prompts"] == 3
     cells = sw["cells"]
     assert [(c["config"], c["batch_size"]) for c in cells] == [
         (cfg, b) for b in (1, 2, 4) for cfg in ("k=3 T=0", "tree topk=2,depth=3,total=6 T=0")]
@@ -43,6 +43,7 @@ def test_sweep_report(workdir, tmp_path):  # noqa: F811
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--batch-size", "2", "--gpu", "tpu9"], "unknown --gpu"),
     (["--batch-size", "2", "--gpu-bandwidth", "-1"], "--gpu-bandwidth must be > 0"),
+    (["--batch-size", "2", "--sweep-repeats", "0"], "--sweep-repeats must be >= 1"),
 ])
 def test_bad_sweep_arguments_fail_before_loading(argv, msg, capsys):
     assert cli_main(["eval", "--target", "does/not/exist", *argv]) == 2

@@ -86,8 +86,24 @@ def test_sliding_window_matters_in_the_window8_fixture(target):
 def test_bf16_head_computes_with_the_rounded_embedding(target):
     head = load_drafter(FIX / "speculators_bf16", target).model
     assert head.config["embed_dtype"] == "bfloat16"
-    head.config["embed_dtype"] = None  # the target's fp32 rows instead: measurably another function
+    saved = head.config.pop("embed_dtype")  # the target's fp32 rows instead: measurably another function
     assert ttt_diff(head, target, FIX, recorded(FIX / "speculators_bf16")) > TOL
+    head.config["embed_dtype"] = saved
+
+
+def test_bf16_head_exports_and_imports_back_exactly(target, tmp_path):
+    """Its vllm-eagle3 export stores the rounded rows (what it computes with), and imports back identically."""
+    import shutil
+
+    from spectrain import export as E
+
+    head = load_drafter(FIX / "speculators_bf16", target).model
+    head.save_pretrained(tmp_path / "h")
+    shutil.copytree(FIX / "target", tmp_path / "t")
+    E.export(tmp_path / "h", "vllm-eagle3", tmp_path / "v", target=str(tmp_path / "t"))
+    back = import_eagle3(tmp_path / "v", target)
+    assert back.config["embed_dtype"] == "bfloat16"
+    assert ttt_diff(back, target, FIX, recorded(FIX / "speculators_bf16")) <= TOL
 
 
 def test_speculators_default_layout_is_what_its_trainer_writes():

@@ -137,5 +137,5 @@ def test_load_drafter_dispatch(tmp_path, monkeypatch):
     empty.mkdir()
     with pytest.raises(ValueError, match="neither drafter_config.json"):
         load_drafter(str(empty), target)
-    with pytest.raises(ValueError, match="cannot load drafter"):
+    with pytest.raises(FileNotFoundError, match="drafter directory not found"):
         load_drafter(str(tmp_path / "missing"), target)

@@ -150,7 +150,7 @@ def test_layout_saved_and_reloaded(target, tmp_path):
 
 
 def test_recipe_refuses_unsorted_aux_and_both_fc_norms():
-    with pytest.raises(ValueError, match=r"aux_layers=\[5, 2, 4\] must be ascending \(\[2, 4, 5\]\)"):
+    with pytest.raises(ValueError, match=r"aux_layers=\[5, 2, 4\]: give 3 layer ids in ascending order"):
         recipe_from_dict({"drafter": {"eagle3": {"aux_layers": [5, 2, 4]}}})
     with pytest.raises(ValueError, match="norm_before_fc and fc_norm are exclusive"):
         recipe_from_dict({"drafter": {"eagle3": {"norm_before_fc": True, "fc_norm": True}}})
@@ -241,3 +241,20 @@ def test_packed_ttt_takes_a_window_longer_than_the_row(target):
     torch.testing.assert_close(packed[0][0, :5], alone[0][0, :5], rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="sliding_window shorter than the packed row"):
         layout_head(target, {}, sliding_window=4).ttt_logits(ids, torch.ones_like(ids), aux, target, 2, docs=docs)
+
+
+def test_eagle_original_layout_pytorch_bin_without_eagle_config(target, tmp_path):
+    """The EAGLE repository's shape: pytorch_model.bin, no eagle_config (SGLang's default capture layers
+    {1, N//2-1, N-4} as outputs = inputs [2, 4, 5] on 8 layers), draft_vocab_size in the config."""
+    head = layout_head(target, {})
+    head.save_pretrained(tmp_path / "h")
+    E.export(tmp_path / "h", "sglang-eagle3", tmp_path / "s")
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    del cfg["eagle_config"]
+    (tmp_path / "s" / "config.json").write_text(json.dumps(cfg))
+    torch.save(load_file(str(tmp_path / "s" / "model.safetensors")), tmp_path / "s" / "pytorch_model.bin")
+    (tmp_path / "s" / "model.safetensors").unlink()
+    with pytest.warns(UserWarning, match=r"using SGLang's default layer outputs \[1, 3, 4\]"):
+        back = import_eagle3(tmp_path / "s", target)
+    assert back.aux_layers == [2, 4, 5] == head.aux_layers
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), back.state_dict().values()))

@@ -50,10 +50,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    """A saved tiny target (model + BPE tokenizer with a chat template), a recipe and two prompt files."""
-    d = tmp_path_factory.mktemp("eval")
+def write_tiny_chat_world(d: Path) -> Path:
+    """d/target (a saved tiny llama + BPE tokenizer with a chat template) and d/chat.jsonl (24 conversations)."""
     tok = _tiny_tokenizer()
     # 160 positions: the 300-token prompt below cannot fit, the short ones do.
     make_tiny_model("llama", vocab_size=len(tok), max_positions=160).save_pretrained(d / "target")
@@ -63,6 +61,13 @@ def workdir(tmp_path_factory) -> Path:
             f.write(json.dumps({"id": f"c{i}", "messages": [
                 {"role": "user", "content": f"what is {i} plus {i}? add them"},
                 {"role": "assistant", "content": f"the answer is {2 * i}"}]}) + "\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """A saved tiny target (model + BPE tokenizer with a chat template), a recipe and two prompt files."""
+    d = write_tiny_chat_world(tmp_path_factory.mktemp("eval"))
     (d / "recipe.yaml").write_text(
         f"target:\n  name_or_path: {d / 'target'}\ndata:\n  train_files: [{d / 'chat.jsonl'}]\n"
         "  heldout_fraction: 0.5\ndrafter:\n  kind: ngram\n")

@@ -355,7 +355,7 @@ def test_relative_target_path_warned(medusa_ckpt, tmp_path, monkeypatch):
 
 
 # ---- what the real loaders need (issue: serving interop) ---------------------------------------
-def test_vllm_eagle3_writes_target_embedding_and_every_layout_flag(target, eagle3_ckpt, tmp_path):
+def test_vllm_eagle3_writes_target_embedding_and_every_layout_flag(target, eagle3_ckpt, tmp_path, capsys):
     tdir = tmp_path / "t"
     target.model.save_pretrained(tdir)
     s = E.export(eagle3_ckpt[1], "vllm-eagle3", tmp_path / "v", target=str(tdir))
@@ -364,6 +364,10 @@ def test_vllm_eagle3_writes_target_embedding_and_every_layout_flag(target, eagle
     cfg = json.loads((tmp_path / "v" / "config.json").read_text())
     assert {k: cfg[k] for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")} == dict.fromkeys(
         ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"), False)
+    parser = E.add_export_args(argparse.ArgumentParser())
+    assert E.main(parser.parse_args([str(eagle3_ckpt[1]), "--format", "vllm-eagle3", "--out", str(tmp_path / "v3"),
+                                     "--target", str(tdir)])) == 0
+    assert "includes the target's embed_tokens.weight (0.0 MiB)" in capsys.readouterr().out
     s = E.export(eagle3_ckpt[1], "vllm-eagle3", tmp_path / "v2")  # no local target: said, not silent
     assert any("embed_tokens.weight not written" in w for w in s["warnings"])
 

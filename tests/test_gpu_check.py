@@ -3,11 +3,13 @@ same code paths at tiny sizes, so a broken step is caught here rather than on a 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,3 +27,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         assert f"tiny {kind} recipe" in summary
         assert f"tiny-{kind}/last: identical" in summary  # greedy losslessness of each trained drafter
     assert "synthetic" in summary and "not produced" not in summary
+    wheel = (tmp_path / "wheel.log").read_text()  # the wheel in a venv that sees this torch, run from an empty dir
+    assert "torch before: " + torch.__version__ in wheel and "torch after: " + torch.__version__ in wheel
+    assert "2-step train + 1-prompt eval" in wheel
+    sweep = json.loads((tmp_path / "sweep/report.json").read_text())["batch_sweep"]
+    assert sweep["batch_sizes"] == [1, 4] and sweep["cells"]

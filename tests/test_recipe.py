@@ -158,7 +158,7 @@ def test_check_ok(tmp_path, tiny_model_dir, capsys):
 
 @pytest.mark.parametrize("override, pattern", [
     ("drafter.eagle3.draft_vocab_size=100000", r"draft_vocab_size=100000 exceeds the target vocab"),
-    ("drafter.eagle3.aux_layers=2,8", r"aux_layers \[8\] out of range: the target has 8 layers"),
+    ("drafter.eagle3.aux_layers=2,4,8", r"aux_layers \[8\] out of range: the target has 8 layers"),
     ("target.name_or_path=/nonexistent/model", r"target model dir not found: /nonexistent/model"),
     ("target.name_or_path=" + __file__, r"cannot load target config/tokenizer"),
     ("training.lrr=1", r"did you mean 'lr'"),

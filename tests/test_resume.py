@@ -71,9 +71,12 @@ def test_resume_with_a_different_recipe_is_refused(tmp_path, fake):  # noqa: F81
     with pytest.raises(ValueError, match=r"different recipe(.|\n)*training.lr"):
         _run(tmp_path / "run", max_steps=4, resume_from="auto", lr=1e-4)
     # fields that do not change the computation may differ
-    s = _run(tmp_path / "run", max_steps=4, resume_from=str(tmp_path / "run" / "step-3"), eval_every=1,
+    s = _run(tmp_path / "branch", max_steps=4, resume_from=str(tmp_path / "run" / "step-3"), eval_every=1,
              checkpoint_every=1, keep_checkpoints=3)
     assert s["steps_this_run"] == 1
+    # ...but not into the run's own dir, where step-4 (a later, good checkpoint) would be overwritten
+    with pytest.raises(ValueError, match="later checkpoints"):
+        _run(tmp_path / "run", max_steps=4, resume_from=str(tmp_path / "run" / "step-3"))
 
 
 def test_resume_from_a_missing_dir_is_a_clear_error(tmp_path, fake):  # noqa: F811
@@ -82,7 +85,8 @@ def test_resume_from_a_missing_dir_is_a_clear_error(tmp_path, fake):  # noqa: F8
 
 
 def test_atomic_checkpoint_leaves_no_partial_dir(tmp_path, fake, monkeypatch):  # noqa: F811
-    """A crash while writing step-N leaves only the temp dir; resume=auto picks the previous checkpoint."""
+    """A failed write of step-N removes its temp dir (a killed one is removed by the next start); resume=auto
+    picks the previous checkpoint."""
     from spectrain import checkpoint as ckpt
 
     real = ckpt.save_checkpoint
@@ -98,7 +102,8 @@ def test_atomic_checkpoint_leaves_no_partial_dir(tmp_path, fake, monkeypatch):  
     with pytest.raises(TypeError):
         _run(tmp_path / "run", max_steps=6, checkpoint_every=2)
     run = tmp_path / "run"
-    assert sorted(p.name for p in run.glob("step-*")) == ["step-2"] and (run / ".tmp-step-4").exists()
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-2"] and not (run / ".tmp-step-4").exists()
+    (run / ".tmp-step-4" / "accelerate").mkdir(parents=True)  # what a kill -9 mid-save leaves
     monkeypatch.setattr(ckpt, "save_checkpoint", real)
     s = _run(run, max_steps=6, checkpoint_every=2, resume_from="auto")
     assert s["steps_this_run"] == 4 and not (run / ".tmp-step-4").exists()

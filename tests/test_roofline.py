@@ -87,3 +87,17 @@ def test_model_cost_roofline_regimes():
 def test_cpu_peaks_are_measured():
     cpu = measure_cpu_peaks(mb=16, n=256, repeats=1)
     assert cpu.bandwidth > 1e8 and cpu.flops > 1e8 and "measured" in cpu.name
+
+
+def test_predict_crossover_script(capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import predict_crossover
+
+    assert predict_crossover.main(["--tau", "2.11", "--k", "5", "--gpu", "H100"]) == 0
+    out = capsys.readouterr().out
+    assert "PREDICTED" in out and "| given | 2.11 | 1.65 |" in out and "B = 256" in out
+    with pytest.raises(SystemExit):
+        predict_crossover.main(["--target", "no/such/config.json"])

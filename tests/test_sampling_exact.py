@@ -168,9 +168,9 @@ def e2e_exact(target, prompt, temperature):
     return {tuple(s): float(x) for s, x in zip(seqs.tolist(), p)}
 
 
-def e2e_counts(target, drafter, prompt, n, temperature, tree=None):
+def e2e_counts(target, drafter, prompt, n, temperature, tree=None, batch_size=None):
     outs = dec.speculative_generate(target, drafter, [prompt] * n, max_new_tokens=EH, k=2,
-                                    temperature=temperature, seed=7, eos_token_id=[], tree=tree)
+                                    temperature=temperature, seed=7, eos_token_id=[], tree=tree, batch_size=batch_size)
     counts: dict = {}
     for o in outs:
         counts[tuple(o.tokens)] = counts.get(tuple(o.tokens), 0) + 1
@@ -182,19 +182,21 @@ def _e2e_models():
     return make_tiny_target("llama", **kw), make_tiny_model("llama", seed=3, **kw)
 
 
+@pytest.mark.parametrize("batch_size", [None, 8])  # 8: rows share each target pass (spectrain/batched.py)
 @pytest.mark.parametrize("tree", [None, {"topk": 2}])
-def test_end_to_end_sampling_is_exact(tree):
+def test_end_to_end_sampling_is_exact(tree, batch_size):
     target, draft = _e2e_models()
     prompt, temp, n = [1, 2], 1.3, 200
-    counts, stats = e2e_counts(target, DraftLMDrafter(draft, target), prompt, n, temp, tree)
+    counts, stats = e2e_counts(target, DraftLMDrafter(draft, target), prompt, n, temp, tree, batch_size)
     assert 0.05 < stats.acceptance_rate < 0.95  # both acceptances and rejections happen
     assert chi_square_pvalue(counts, e2e_exact(target, prompt, temp), n) > 1e-3
 
 
 @pytest.mark.slow
-def test_end_to_end_broken_residual_is_caught(monkeypatch):
+@pytest.mark.parametrize("batch_size", [None, 16])
+def test_end_to_end_broken_residual_is_caught(monkeypatch, batch_size):
     target, draft = _e2e_models()
     prompt, temp, n = [1, 2], 1.3, 1500
     monkeypatch.setattr(acceptance, "_RESIDUAL_FROM_P", True)
-    counts, _ = e2e_counts(target, DraftLMDrafter(draft, target), prompt, n, temp)
+    counts, _ = e2e_counts(target, DraftLMDrafter(draft, target), prompt, n, temp, batch_size=batch_size)
     assert chi_square_pvalue(counts, e2e_exact(target, prompt, temp), n) < 1e-4

@@ -56,6 +56,16 @@ def load_drafter(spec, target) -> Drafter:
 
         return NgramDrafter.from_spec(spec)
     path = Path(spec)
+    from spectrain.target import looks_local
+
+    if not path.exists() and looks_local(spec):
+        raise FileNotFoundError(f"drafter directory not found: {spec} (relative to {Path.cwd()}); give 'ngram', a "
+                                "trained drafter directory (e.g. runs/NAME/best) or an HF draft model")
+    if path.is_dir():  # SHA256SUMS written by every checkpoint save and export: refuse damaged weights
+        from spectrain.integrity import verify
+
+        verify(path, "drafter", fix="use another checkpoint (e.g. the run's last/ or a step-N/) or re-export it",
+               warn_missing=(path / "drafter_config.json").is_file())  # a plain HF model dir has none: no warning
     cfg_file = path / "drafter_config.json"
     if cfg_file.is_file():
         try:
@@ -64,11 +74,11 @@ def load_drafter(spec, target) -> Drafter:
             raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
         if kind not in REGISTRY:
             raise ValueError(f"{cfg_file} has kind={kind!r}; known drafter kinds: {', '.join(sorted(REGISTRY))}")
-        return REGISTRY[kind](path, target)
+        return _read_errors_named(REGISTRY[kind], path, target)
     from spectrain.drafters.eagle3_import import detect
 
     if detect(path):
-        return _lazy("spectrain.drafters.eagle3_import")(path, target)
+        return _read_errors_named(_lazy("spectrain.drafters.eagle3_import"), path, target)
     if path.exists() and not (path / "config.json").is_file():
         raise ValueError(f"{spec!r} holds neither drafter_config.json (a spectrain drafter) nor config.json "
                          "(an HF draft model); give 'ngram', a trained drafter directory or an HF model")
@@ -77,3 +87,15 @@ def load_drafter(spec, target) -> Drafter:
     except OSError as e:
         raise ValueError(f"cannot load drafter {spec!r}: not 'ngram[:...]', not a directory with "
                          f"drafter_config.json, and not loadable as an HF causal LM ({e})") from e
+
+
+def _read_errors_named(loader: Callable, path: Path, target) -> Drafter:
+    """A truncated or damaged weights file, or a tensor renamed, is an error naming the directory."""
+    try:
+        return loader(path, target)
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError" and not (isinstance(e, RuntimeError) and "state_dict" in str(e)):
+            raise
+        why = " ".join(str(e).split())[:200]
+        raise ValueError(f"cannot load the drafter weights in {path}: {type(e).__name__}: {why}; the file is "
+                         "damaged or was not written for this drafter: use another checkpoint") from e

@@ -173,6 +173,29 @@ class DraftLMDrafter(Drafter):
         # Trees were cropped back to the committed prefix in propose; _sync feeds the accepted path.
         self._crop(self._base + len(accepted))
 
+    # batched decoding (spectrain/batched.py): chains share one draft cache (draft_lm_batch.py);
+    # trees use one copy of this drafter per row (the Drafter defaults)
+    def begin_batch(self, prompts: list[torch.Tensor]) -> None:
+        from spectrain.drafters.draft_lm_batch import BatchedDraftLM
+
+        Drafter.begin_batch(self, prompts)
+        self._batch, self._tree_mode = BatchedDraftLM(self, len(prompts)), False
+
+    @torch.no_grad()
+    def propose_batch(self, ctxs: list[DraftContext | None]) -> list[Proposal | None]:
+        self._tree_mode = any(c is not None and c.tree is not None for c in ctxs)
+        return Drafter.propose_batch(self, ctxs) if self._tree_mode else self._batch.propose(ctxs)
+
+    def commit_batch(self, accepted: list[list[int] | None]) -> None:
+        if self._tree_mode:
+            Drafter.commit_batch(self, accepted)
+        else:
+            self._batch.commit(accepted)
+
+    def keep_rows(self, idx: list[int]) -> None:
+        Drafter.keep_rows(self, idx)
+        self._batch.keep_rows(idx)
+
 
 def _warn_if_other_target(path, target) -> None:
     cfg_file = Path(path) / CONFIG_NAME
@@ -207,14 +230,9 @@ def _layers_prefix(target) -> str:
 def layer_subset(target, layers: list[int]) -> nn.Module:
     """A float32 copy of the target keeping only decoder `layers` (plus embeddings, final norm, lm_head).
     Built from the target's own class and config; weights are copied, never shared."""
-    n = target.num_layers
-    bad = [i for i in layers if not 0 <= i < n]
-    if bad:
-        raise ValueError(f"drafter.draft.init=layers:{','.join(map(str, layers))}: layer ids {bad} are out of "
-                         f"range; the target has {n} decoder layers (ids 0..{n - 1})")
-    if any(b <= a for a, b in zip(layers, layers[1:])):
-        raise ValueError(f"drafter.draft.init=layers:{','.join(map(str, layers))}: list the layer ids in "
-                         "increasing order without repeats (e.g. layers:0,7)")
+    from spectrain.recipe import check_draft_layers
+
+    check_draft_layers(f"layers:{','.join(map(str, layers))}", target.num_layers)  # the same check as `check`
     from spectrain.target import gathered
 
     prefix = _layers_prefix(target)

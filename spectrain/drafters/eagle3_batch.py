@@ -9,15 +9,14 @@ target cache in spectrain/batched.py). Per step:
   longest and run in one forward; padded rows become holes;
 - chains: all rows draft together, one forward per depth, each row attending to its own valid
   cache + its drafted tokens (drafted K/V stay temporary, as in the single-sequence adapter);
-- trees: per row, from a compact view of that row's cache (``Eagle3Proposer._tree``).
+- trees: the single-sequence EAGLE-2 dynamic tree for every row at once: each row expands its own
+  best nodes, all rows' expanded nodes share one forward per depth.
 
 Per row, the attention sees exactly the single-sequence keys; only rounding differs, which changes
 at most the draft, never the output (the target verifies every token).
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 
@@ -117,10 +116,78 @@ class BatchedEagle3:
         if chains:
             for b, prop in zip(chains, self._chains([ctxs[b] for b in chains], chains)):
                 out[b] = prop
-        for b in todo:
-            if ctxs[b].tree is not None:
-                out[b] = self._row_view(b)._tree(ctxs[b])
+        trees = [b for b in todo if ctxs[b].tree is not None]
+        for k in sorted({ctxs[b].k for b in trees}):  # rows near their token budget draft shallower trees
+            rows = [b for b in trees if ctxs[b].k == k]
+            for b, prop in zip(rows, self._trees([ctxs[b] for b in rows], rows)):
+                out[b] = prop
         return out
+
+    def _trees(self, ctxs: list[DraftContext], rows: list[int]) -> list[Proposal]:
+        """``Eagle3Proposer._tree`` for every row at once: per depth each row expands its own `topk` best
+        nodes, and all rows' expanded nodes go through one head forward (same shapes in every row)."""
+        p, dev = self.p, self.slot_pos.device
+        opts, sampler, k = ctxs[0].tree, ctxs[0].sampler, ctxs[0].k
+        topk, total = int(opts.get("topk", 4)), int(opts.get("total_tokens", 32))
+        idx = torch.tensor(rows, device=dev)
+        cache = [(kk.index_select(0, idx), v.index_select(0, idx)) for kk, v in self.cache]
+        valid = self.slot_pos.index_select(0, idx) >= 0
+        root_h = self.root_h.index_select(0, idx)
+        n = torch.tensor([self.n[b] for b in rows], device=dev)
+        trees = []
+        for b in rows:
+            tok, lq, q = p._children(self.root_logits[b], topk, sampler)
+            trees.append(dict(tok=list(tok), par=[-1] * len(tok), score=list(lq), depth=[1] * len(tok),
+                              q=[q] * len(tok), fwd_of={}, hid=[], anc=[], layer=list(range(len(tok)))))
+        temp = self._empty(len(rows))
+        for d in range(2, k + 1):
+            expand = [sorted(t["layer"], key=lambda i, t=t: -float(t["score"][i]))[:topk] for t in trees]
+            m, base = len(expand[0]), len(trees[0]["hid"])
+            anc = torch.zeros(len(rows), m, base, dtype=torch.bool, device=dev)
+            hid, toks = [], []
+            for r, (t, ex) in enumerate(zip(trees, expand)):
+                for j, i in enumerate(ex):
+                    par = t["par"][i]
+                    if par >= 0:
+                        a = t["anc"][t["fwd_of"][par]]
+                        anc[r, j, : a.numel()] = a
+                    hid.append(root_h[r] if par < 0 else t["hid"][t["fwd_of"][par]])
+                    toks.append(t["tok"][i])
+            eye = torch.eye(m, dtype=torch.bool, device=dev).expand(len(rows), m, m)
+            mask = torch.cat([valid[:, None, :].expand(-1, m, -1), anc, eye], 2)[:, None]
+            h, lg, new = p._run_rows(cache, p.target.embed(torch.stack(toks)).view(len(rows), m, -1),
+                                     torch.stack(hid).view(len(rows), m, -1), (n + d - 2)[:, None].expand(-1, m),
+                                     mask, temp)
+            temp = p._append(temp, new)
+            for r, (t, ex) in enumerate(zip(trees, expand)):
+                t["layer"] = []
+                for j, i in enumerate(ex):
+                    t["fwd_of"][i] = base + j
+                    t["hid"].append(h[r, j])
+                    row = torch.zeros(base + m, dtype=torch.bool, device=dev)
+                    row[:base], row[base + j] = anc[r, j], True
+                    t["anc"].append(row)
+                    tok, lq, q = p._children(lg[r, j], topk, sampler)
+                    t["layer"] += range(len(t["tok"]), len(t["tok"]) + len(tok))
+                    t["tok"] += list(tok)
+                    t["par"] += [i] * len(tok)
+                    t["score"] += list(t["score"][i] + lq)
+                    t["depth"] += [d] * len(tok)
+                    t["q"] += [q] * len(tok)
+        return [self._finish(t, total, sampler, dev) for t in trees]
+
+    @staticmethod
+    def _finish(t: dict, total: int, sampler, dev) -> Proposal:
+        """The kept nodes (``Eagle3Proposer._select``) as a Proposal, parents before children."""
+        from spectrain.drafters.eagle3_decode import Eagle3Proposer
+
+        keep = Eagle3Proposer._select(t["par"], [float(x) for x in t["score"]], t["depth"], total, sampler.greedy)
+        order = sorted(keep, key=lambda i: (t["depth"][i], i))
+        new_index = {old: new for new, old in enumerate(order)}
+        parents = torch.tensor([-1 if t["par"][i] < 0 else new_index[t["par"][i]] for i in order], device=dev)
+        tokens = torch.stack([t["tok"][i] for i in order]).long()
+        probs = None if sampler.greedy else torch.stack([t["q"][i] for i in order])
+        return Proposal(tokens=tokens, parents=parents, probs=probs)
 
     def _chains(self, ctxs: list[DraftContext], rows: list[int]) -> list[Proposal]:
         """Chains for `rows`, one head forward per depth for all of them."""
@@ -156,12 +223,3 @@ class BatchedEagle3:
         full[:, ids] = logits
         q = sampler.probs(full)
         return torch.multinomial(q, 1, generator=sampler.generator)[:, 0], q
-
-    def _row_view(self, b: int):
-        """A single-sequence proposer holding row b's valid cache (for trees)."""
-        view = copy.copy(self.p)
-        keep = (self.slot_pos[b] >= 0).nonzero()[:, 0]
-        view.cache = [(k[b: b + 1].index_select(2, keep), v[b: b + 1].index_select(2, keep)) for k, v in self.cache]
-        view.n = self.n[b]
-        view.root_hidden, view.root_logits = self.root_h[b][None, None], self.root_logits[b]
-        return view

@@ -192,15 +192,21 @@ def _weights(state: dict[str, torch.Tensor], cfg: dict, target, where: str) -> d
 
 
 def _check_embedding(emb: torch.Tensor, target, cfg: dict, where: str) -> None:
-    """A stored embedding must be the target's, possibly rounded to a lower precision: then the head computed
-    with the rounded rows, which ``embed_dtype`` reproduces exactly (rounding is elementwise)."""
+    """A stored embedding must be the target's, possibly rounded to a lower precision (speculators saves bf16;
+    a spectrain export of such a head stores the rounded rows): then the head computed with the rounded rows,
+    which ``embed_dtype`` reproduces exactly (rounding is elementwise)."""
     mine = target.embed_tokens.weight.detach().cpu()
-    if tuple(emb.shape) != tuple(mine.shape) or not torch.equal(emb, mine.to(emb.dtype)):
-        raise ValueError(f"{where}: embed_tokens.weight differs from target {target.name_or_path}'s embedding; "
-                         "spectrain's EAGLE-3 head uses the target's embedding, so this head cannot be loaded "
-                         "exactly (trained with embed_requires_grad, or for another target?)")
-    if emb.dtype != mine.dtype and not torch.equal(emb.to(mine.dtype), mine):
-        cfg["embed_dtype"] = str(emb.dtype).removeprefix("torch.")
+    if tuple(emb.shape) == tuple(mine.shape):
+        e = emb.float()
+        if torch.equal(e, mine.float()):
+            return
+        for dt in (torch.bfloat16, torch.float16):
+            if torch.equal(e, mine.to(dt).float()):
+                cfg["embed_dtype"] = str(dt).removeprefix("torch.")
+                return
+    raise ValueError(f"{where}: embed_tokens.weight differs from target {target.name_or_path}'s embedding; "
+                     "spectrain's EAGLE-3 head uses the target's embedding, so this head cannot be loaded "
+                     "exactly (trained with embed_requires_grad, or for another target?)")
 
 
 def _check_target(cfg: dict, target, where: str) -> None:

@@ -199,7 +199,25 @@ class MedusaProposer(Drafter):
         if ctx.tokens.numel() < 2:  # a 1-token prompt: no target hidden state to draft from yet
             return Proposal(tokens=ctx.tokens.new_zeros(0))
         self._ingest(ctx)
-        logits = self.model(self.last, ctx.k).float()  # [k, V]
+        return self._from_logits(ctx, self.model(self.last, ctx.k).float())
+
+    @torch.no_grad()
+    def propose_batch(self, ctxs: list[DraftContext | None]) -> list[Proposal | None]:
+        """Batched decoding: every row's heads in one forward (per-row state: the Drafter default copies)."""
+        out: list[Proposal | None] = [None if c is None else Proposal(tokens=c.tokens.new_zeros(0)) for c in ctxs]
+        live = [b for b, c in enumerate(ctxs) if c is not None and c.tokens.numel() >= 2]
+        for b in live:
+            self._check_depth(ctxs[b].k)
+            self._rows[b]._ingest(ctxs[b])
+        if live:
+            kmax = max(ctxs[b].k for b in live)
+            logits = self.model(torch.stack([self._rows[b].last for b in live]), kmax).float()  # [kmax, R, V]
+            for r, b in enumerate(live):
+                out[b] = self._from_logits(ctxs[b], logits[: ctxs[b].k, r])
+        return out
+
+    def _from_logits(self, ctx: DraftContext, logits: torch.Tensor) -> Proposal:
+        """logits [k, V]: head i's logits for draft position i+1."""
         if ctx.tree is None:
             return Proposal(tokens=logits.argmax(-1).long().to(ctx.tokens.device))
         topk = int(ctx.tree.get("topk", 4))

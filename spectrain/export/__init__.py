@@ -17,10 +17,12 @@ place: an invalid export never lands, and ``--force`` replaces an existing direc
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from spectrain.errors import writing
 from spectrain.export.common import ExportError, resolve_source
 from spectrain.export.eagle3 import (
     export_sglang_eagle3,
@@ -30,6 +32,7 @@ from spectrain.export.eagle3 import (
 )
 from spectrain.export.hf_draft import export_hf_draft, validate_hf_draft
 from spectrain.export.medusa import export_medusa, export_vllm_medusa, validate_medusa, validate_vllm_medusa
+from spectrain.outputs import guard_export
 
 __all__ = ["FORMATS", "ExportError", "add_export_args", "export", "main", "resolve_source", "validate",
            "export_vllm_eagle3", "export_sglang_eagle3", "export_vllm_medusa", "export_medusa",
@@ -54,11 +57,39 @@ def _format(fmt: str) -> tuple[Callable[..., dict], Callable[..., list[str]]]:
 
 def export(source, fmt: str, out, target: str | None = None, force: bool = False) -> dict:
     """Resolve a run or checkpoint dir, export it as ``fmt`` into ``out`` (validated before it lands)."""
-    return _format(fmt)[0](resolve_source(source), Path(out), target, overwrite=force)
+    src = resolve_source(source)
+    with writing(out, remove=False):  # names --out in a disk-full message (the staged temp dir is removed)
+        return _format(fmt)[0](src, guard_export(src, out, force), target, overwrite=force)
 
 
 def validate(fmt: str, out) -> list[str]:
-    return _format(fmt)[1](Path(out))
+    """Problems of ``out`` as a ``fmt`` directory: the wrong kind of directory, files that differ from its
+    SHA256SUMS, then the format's own checks ([] = valid)."""
+    from spectrain.integrity import problems
+
+    misfit = _misfit(fmt, Path(out))
+    return [misfit] if misfit else problems(out) + _format(fmt)[1](Path(out))
+
+
+def _misfit(fmt: str, out: Path) -> str | None:
+    """The real mistake when ``out`` is not a ``fmt`` export at all (a checkpoint, another format's export)."""
+    if not out.is_dir():
+        return f"{out} is not a directory"
+    if any((out / f).is_file() for f in ("trainer_state.json", "best.json")) or \
+            ((out / "drafter_config.json").is_file() and not (out / "config.json").is_file()):
+        return (f"{out} is a spectrain training checkpoint, not a {fmt} export: write one with "
+                f"`spectrain export {out} --format {fmt} --out DIR`")
+    try:
+        cfg = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
+    except ValueError:
+        return None  # the format's validator names the malformed file
+    arch = " ".join(map(str, cfg.get("architectures") or []))
+    found = ("vllm-eagle3" if cfg.get("speculators_model_type") == "eagle3" else "sglang-eagle3" if "Eagle3" in arch
+             else "vllm-medusa" if cfg.get("model_type") == "medusa" else "medusa" if "medusa_num_heads" in cfg
+             else "hf-draft" if arch else None)
+    if found in FORMATS and found != fmt and not {found, fmt} <= {"hf-draft"}:
+        return f"{out} is a {found} export, not {fmt}: validate it with --format {found}"
+    return None
 
 
 def add_export_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -95,4 +126,7 @@ def main(args: argparse.Namespace) -> int:
     size = sum(summary["files"].values())
     print(f"wrote {summary['format']} export of {summary['source']} to {summary['out']} "
           f"({len(summary['files'])} files, {size / 2**20:.1f} MiB), validated: OK")
+    if "embed_tokens_bytes" in summary:
+        print(f"  includes the target's embed_tokens.weight ({summary['embed_tokens_bytes'] / 2**20:.1f} MiB) so the "
+              "speculators package computes the same logits; vLLM/SGLang would share the target's anyway")
     return 0

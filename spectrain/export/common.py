@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from spectrain.drafters.head_io import CONFIG_NAME, WEIGHTS_NAME
+from spectrain.integrity import seal
 
 FORMAT_KIND = {"vllm-eagle3": "eagle3", "sglang-eagle3": "eagle3", "vllm-medusa": "medusa",
                "medusa": "medusa", "hf-draft": "draft"}
@@ -98,6 +99,7 @@ def staged(out: Path, fmt: str, validator: Callable[[Path], list[str]]) -> Itera
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         yield tmp
+        seal(tmp)  # SHA256SUMS of every file; files 0644 / dirs 0755 (mkdtemp made it private)
         problems = validator(tmp)
         if problems:
             raise ExportError(fmt, problems)

@@ -1,0 +1,141 @@
+"""sha256 manifests: every checkpoint directory and every export carries ``SHA256SUMS`` (the
+``sha256sum`` format, so ``sha256sum -c SHA256SUMS`` checks it without spectrain) listing every file in it.
+
+``seal(dir)`` writes it (last, once every other file is in place) and makes the tree readable by other
+users (files 0644, dirs 0755, minus the umask); ``verify(dir)`` refuses a directory whose files differ
+from it, naming the file; resume, ``load_drafter``, ``spectrain eval`` and ``spectrain export`` call it.
+A directory without a manifest (written by an older spectrain or another tool) is accepted with a
+warning; a manifest that lists a missing file, or a weight / pickle file the manifest does not list, is
+refused: spectrain wrote neither.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+MANIFEST = "SHA256SUMS"
+# Files that hold tensors or pickles: one that the manifest does not list was not written by spectrain.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".npy", ".npz")
+
+
+class IntegrityError(ValueError):
+    """A file differs from the directory's SHA256SUMS (or should not be there)."""
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> list[str]:
+    out = []
+    for dirpath, _dirs, names in os.walk(root):
+        for n in names:
+            rel = (Path(dirpath) / n).relative_to(root).as_posix()
+            if rel != MANIFEST and not n.startswith(f".{MANIFEST}"):
+                out.append(rel)
+    return sorted(out)
+
+
+def make_readable(root: Path) -> None:
+    """Files 0644 and dirs 0755 minus the umask (tempfile.mkdtemp creates 0700, which a serving engine
+    running as another user cannot read)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for dirpath, _dirs, names in os.walk(root):
+        os.chmod(dirpath, 0o755 & ~mask)
+        for n in names:
+            p = Path(dirpath) / n
+            if not p.is_symlink():
+                os.chmod(p, 0o644 & ~mask)
+
+
+def seal(root) -> Path:
+    """Write ``root/SHA256SUMS`` over every file under ``root`` and make the tree readable."""
+    root = Path(root)
+    lines = [f"{sha256(root / rel)}  {rel}\n" for rel in _files(root)]
+    tmp = root / f".{MANIFEST}.tmp{os.getpid()}"
+    tmp.write_text("".join(lines))
+    os.replace(tmp, root / MANIFEST)
+    make_readable(root)
+    return root / MANIFEST
+
+
+def read_manifest(root: Path) -> dict[str, str] | None:
+    f = root / MANIFEST
+    if not f.is_file():
+        return None
+    out = {}
+    for i, line in enumerate(f.read_text().splitlines(), 1):
+        digest, sep, rel = line.partition("  ")
+        if not sep or len(digest) != 64 or not rel:
+            raise IntegrityError(f"{f} line {i} is malformed (expected '<sha256>  <file>'): the manifest itself is "
+                                 "damaged; re-download or re-create the directory")
+        out[rel.lstrip("*")] = digest
+    return out
+
+
+def problems(root) -> list[str]:
+    """What is wrong with ``root`` against its manifest ([] = verified, or no manifest to verify)."""
+    root = Path(root)
+    listed = read_manifest(root)
+    if listed is None:
+        return []
+    out = []
+    for rel, digest in listed.items():
+        p = root / rel
+        if not p.is_file():
+            out.append(f"{p} is listed in {MANIFEST} but missing")
+        elif sha256(p) != digest:
+            out.append(f"{p} is corrupt: its sha256 differs from {root / MANIFEST}")
+    for rel in _files(root):
+        if rel not in listed and rel.endswith(WEIGHT_SUFFIXES):
+            out.append(f"{root / rel} is not listed in {root / MANIFEST}: spectrain did not write it")
+    return out
+
+
+def unreadable(root) -> list[str]:
+    """safetensors files under ``root`` whose header does not parse or does not fit the file (truncated):
+    checked with or without a manifest, so the error names the file instead of a library's raw message."""
+    from safetensors import safe_open
+
+    out = []
+    for p in sorted(Path(root).rglob("*.safetensors")):
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                list(f.keys())
+        except Exception as e:  # SafetensorError (header), OSError
+            out.append(f"{p} is truncated or not a safetensors file ({' '.join(str(e).split())[:120]})")
+    return out
+
+
+def verify(root, what: str = "directory", fix: str = "", warn_missing: bool = True) -> bool:
+    """Refuse ``root`` when a file differs from its manifest (IntegrityError naming the file and ``fix``);
+    True when verified, False (with a warning) when there is no manifest to verify against."""
+    root = Path(root)
+    found = problems(root) or unreadable(root)
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise IntegrityError(f"{what} {root} failed its integrity check: {found[0]}{more}; "
+                             f"{fix or 'restore it from a good copy or re-create it'}")
+    if read_manifest(root) is None:
+        if not warn_missing:
+            return False
+        warnings.warn(f"{what} {root} has no {MANIFEST} (written by an older spectrain or another tool): its "
+                      "files cannot be checked for corruption", stacklevel=2)
+        return False
+    return True
+
+
+def untrusted_pickles(root, allowed: tuple[str, ...]) -> list[Path]:
+    """Pickle-format files under ``root`` whose names are not in ``allowed`` (regex-free prefixes)."""
+    root = Path(root)
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".pkl", ".pickle")
+                  and not p.name.startswith(allowed)) if root.is_dir() else []
+
