@@ -141,7 +141,7 @@ def evaluate(a) -> None:
     cmd = [sys.executable, "-m", "spectrain", "eval", "--recipe", RECIPE, *[x for p in hs.values() for x in
            ("--drafter", str(p))], *[x for s in a.sets for x in ("--prompts", s)], "--n", str(a.n),
            "--max-new-tokens", "64", "--k", "5", "--temperature", "0", "--temperature", "1", "--seed", "0",
-           "--out", str(a.work / f"eval{a.steps}{a.tag}")]
+           "--out", str(a.work / f"eval{a.steps}{a.tag}"), "--force"]
     if a.device:
         cmd += ["--device", a.device]
     sh(cmd, a.work / "logs" / f"eval{a.steps}{a.tag}.log", a.threads)
