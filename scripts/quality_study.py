@@ -54,6 +54,8 @@ NORMS = ["drafter.eagle3.norm_before_fc=true", "drafter.eagle3.norm_before_resid
          "drafter.eagle3.norm_output=true"]  # speculators' default layer layout
 VARIANTS["best_norms"] = VARIANTS["best"] + NORMS
 VARIANTS["best_nbr"] = VARIANTS["best"] + NORMS[1:2]  # norm_before_residual only (what every vLLM computes)
+VARIANTS["best_norms_rules"] = VARIANTS["best_norms"] + ["drafter.eagle3.loss_positions=input",
+                                                        "drafter.eagle3.out_of_vocab=keep"]  # speculators' rules
 
 
 def sh(cmd: list[str], log: Path, threads: int) -> None:
