@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 
 import pytest
 import torch
@@ -62,6 +63,16 @@ def test_eval_scalar_keys(tmp_path):
     assert drafter_label(str(run / "best")) == "my-run-best" and drafter_label(str(run)) == "my-run"
 
 
+def _read_finished(run_dir, wait_s: float = 30.0):
+    """read_run, waiting while wandb's service is still flushing the file (seen on a loaded 2-core host)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        rec = read_run(run_dir)
+        if rec["id"] is not None or time.monotonic() > deadline:
+            return rec
+        time.sleep(0.5)
+
+
 def _train(out, report_to, stop_at=None, **training):
     def preempt(run, rec):
         if run.state["step"] == stop_at:
@@ -82,7 +93,7 @@ def test_training_wandb_namespaces_config_and_resume(tmp_path, fake, offline_wan
     _train(out, ["jsonl", "wandb"], max_steps=6, resume_from="auto")
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2
-    a, b = (read_run(r) for r in runs)
+    a, b = (_read_finished(r) for r in runs)
     assert a["id"] == b["id"] == link["wandb_id"] and a["group"] == "tiny-run-7"  # one wandb run, resumed
     hist = a["history"] + b["history"]
     keys = set().union(*hist)
