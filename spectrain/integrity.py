@@ -127,8 +127,9 @@ def verify(root, what: str = "directory", fix: str = "", warn_missing: bool = Tr
     if read_manifest(root) is None:
         if not warn_missing:
             return False
-        warnings.warn(f"{what} {root} has no {MANIFEST} (written by an older spectrain or another tool): its "
-                      "files cannot be checked for corruption", stacklevel=2)
+        warnings.warn(f"{what} {root} has no {MANIFEST} (saved outside spectrain's checkpointing and export, e.g. "
+                      "save_pretrained directly, by an older spectrain or another tool): its files cannot be "
+                      "checked for corruption", stacklevel=2)
         return False
     return True
 

@@ -20,9 +20,6 @@ def save_head(path, config: dict, state: dict[str, torch.Tensor]) -> None:
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "kind": config["kind"]})
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    from spectrain.integrity import seal
-
-    seal(path)  # a head saved through the API is checked on load like a checkpoint's
 
 
 def read_head_config(path, kind: str, target, what: str) -> dict:
