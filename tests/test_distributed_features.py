@@ -193,6 +193,9 @@ def _fsdp_worker(out: str, tied: bool) -> int:
            "local_params": sum(p.to_local().numel() for p in t.model.parameters()),
            "full_params": sum(p.numel() for p in ref.model.parameters()), "sizes": [t.hidden_size, t.vocab_size]}
     (Path(out) / f"fsdp{dist.get_rank()}.json").write_text(json.dumps(rec))
+    # both ranks must be done with every collective before the group goes: a rank that tore gloo down
+    # while its peer still had FSDP2 traffic in flight aborted once under load ("terminate called ...")
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
