@@ -54,6 +54,9 @@ NORMS = ["drafter.eagle3.norm_before_fc=true", "drafter.eagle3.norm_before_resid
          "drafter.eagle3.norm_output=true"]  # speculators' default layer layout
 VARIANTS["best_norms"] = VARIANTS["best"] + NORMS
 VARIANTS["best_nbr"] = VARIANTS["best"] + NORMS[1:2]  # norm_before_residual only (what every vLLM computes)
+VARIANTS["best_norms_lr2e-3"] = VARIANTS["best_norms"] + ["training.lr=2e-3"]
+VARIANTS["best_norms_lr3e-3"] = VARIANTS["best_norms"] + ["training.lr=3e-3"]
+VARIANTS["best_norms_decay1"] = VARIANTS["best_norms"] + ["drafter.eagle3.ttt_decay=1.0"]
 VARIANTS["best_norms_rules"] = VARIANTS["best_norms"] + ["drafter.eagle3.loss_positions=input",
                                                         "drafter.eagle3.out_of_vocab=keep"]  # speculators' rules
 

@@ -281,25 +281,43 @@ def test_resume_on_two_processes_from_a_one_process_checkpoint(assets, recipe, r
     assert json.loads((run["out"] / "run_info.json").read_text())["grad_accum"] == 1
 
 
-@pytest.mark.slow
-def test_deepspeed_zero2_two_processes_match_one_process(assets, recipe, reference):
+@pytest.fixture(scope="module")
+def zero2(assets, recipe):
+    """2 processes under recipes/accelerate/zero2.yaml with CPU settings: no DeepSpeed JSON, so the batch sizes
+    and clipping DeepSpeed needs come from the loop (filled from the recipe), as on a GPU node."""
     pytest.importorskip("deepspeed")
     import yaml
 
     root = assets[0]
-    # recipes/accelerate/zero2.yaml with CPU settings: no DeepSpeed JSON, so the batch sizes and clipping
-    # DeepSpeed needs come from the loop (filled from the recipe), as on a GPU node.
     cfg = yaml.safe_load((REPO / "recipes/accelerate/zero2.yaml").read_text())
     cfg.update(num_processes=2, use_cpu=True, mixed_precision="no", gpu_ids=None)
     cfg = {k: v for k, v in cfg.items() if v is not None}
     (root / "zero2_cpu.yaml").write_text(yaml.safe_dump(cfg))
     # No workaround here: the loop itself names gloo for DeepSpeed on a CPU machine.
-    run = _run(assets, recipe, "zero2", "accelerate", 2, config=root / "zero2_cpu.yaml")
-    recs = run["records"]
+    return root / "zero2_cpu.yaml", _run(assets, recipe, "zero2", "accelerate", 2, config=root / "zero2_cpu.yaml")
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_two_processes_match_one_process(zero2, reference):
+    recs = zero2[1]["records"]
     assert [r["rank"] for r in recs] == [0, 1]
     assert all(r["type"] == "DistributedType.DEEPSPEED" and r["world"] == 2 and r["dist_world_size"] == 2
                for r in recs), recs
-    diff, key = max_weight_diff(load_drafter_weights(reference["out"]), load_drafter_weights(run["out"]))
+    diff, key = max_weight_diff(load_drafter_weights(reference["out"]), load_drafter_weights(zero2[1]["out"]))
+    assert diff <= TOL, f"{key} differs by {diff:.3g}"
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_resumes_under_forced_weights_only(assets, recipe, zero2):
+    """A ZeRO-2 checkpoint (DeepSpeed's own optimizer files) resumes with every torch.load forced to
+    weights_only (safe_resume; SPECTRAIN_TRUST_CHECKPOINT unset) and ends where the uninterrupted run ended."""
+    config, full = zero2
+    step4 = full["out"] / "step-4"
+    assert (step4 / "accelerate").is_dir()
+    run = _run(assets, recipe, "zero2-resumed", "accelerate", 2, [f"training.resume_from={step4}"], config=config,
+               env={"SPECTRAIN_TRUST_CHECKPOINT": None})
+    assert all(len(r["micro_batches"]) == STEPS - 4 for r in run["records"])  # only the steps after step 4
+    diff, key = max_weight_diff(load_drafter_weights(full["out"]), load_drafter_weights(run["out"]))
     assert diff <= TOL, f"{key} differs by {diff:.3g}"
 
 
