@@ -178,7 +178,7 @@ def table(a) -> str:
                 cells.append("-" if r is None else f"{r['tau']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
             taus = [row[s]["tau"] for s in sets if s in row]
             lines.append(f"| {Path(d).name} | " + " | ".join(cells) + f" | {sum(taus) / max(len(taus), 1):.3f} |")
-    for ref in ("speculators", "speculators_default"):  # norm flags off (equal layer) / speculators' defaults
+    for ref in a.refs:  # default: speculators with the norm flags off (equal layer) / with its own defaults
         lines += paired_vs(recs, sets, ref)
     text = "\n".join(lines)
     (a.work / f"table{a.steps}.md").write_text(text + "\n")
@@ -234,10 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per subprocess")
     ap.add_argument("--tag", default="", help="suffix of the eval directory (eval<steps><tag>), to split decoding "
                     "over several runs; the table merges every eval<steps>* directory")
+    ap.add_argument("--refs", default="speculators,speculators_default",
+                    help="heads the paired tables compare every other head with (comma list of head names)")
     ap.add_argument("--device", default="", help="eval device (cpu, cuda); training follows accelerate")
     a = ap.parse_args(argv)
     a.variants = [v for v in a.variants.split(",") if v]
     a.sets = [s for s in a.sets.split(",") if s]
+    a.refs = [r for r in a.refs.split(",") if r]
     unknown = [v for v in a.variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")

@@ -54,9 +54,10 @@ def _engine_safe_globals() -> list:
     try:
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address  # ZeRO-2's param slices: (numel, start)
     except Exception:  # no DeepSpeed (or another layout): nothing to allow
         return []
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 def _load_failure(e: Exception) -> str:
