@@ -113,6 +113,11 @@ def speculators(a) -> None:
     default = w / f"spec{a.steps}_norms"  # speculators' default layout (norm flags on), imported by spectrain
     if a.spec_default and not (default / "ckpt" / "0" / "config.json").is_file():
         sh([*common[:6], "--run-dir", str(default), *common[6:]], log, a.threads)
+    for lr in a.spec_default_lrs:  # the fairness check: speculators' default layout at spectrain's lr
+        run_lr = w / f"spec{a.steps}_norms_lr{lr}"
+        if not (run_lr / "ckpt" / "0" / "config.json").is_file():
+            at = common.index("--lr") + 1
+            sh([*common[:6], "--run-dir", str(run_lr), *common[6:at], lr, *common[at + 1:]], log, a.threads)
     if not (head / "drafter_config.json").is_file():
         sh([py, str(anc / "to_spectrain.py"), "--src", str(run / "ckpt" / "0"), "--out", str(head),
             "--target", "assets/reference-target", "--ttt-decay", "0.8"], log, a.threads)
@@ -128,6 +133,9 @@ def heads(a) -> dict[str, Path]:
         found["speculators"] = a.work / f"spec{a.steps}" / "head"
     if a.spec_default and (a.work / f"spec{a.steps}_norms" / "ckpt" / "0").is_dir():
         found["speculators_default"] = a.work / f"spec{a.steps}_norms" / "ckpt" / "0"  # spectrain's import reads it
+    for lr in a.spec_default_lrs:
+        if (a.work / f"spec{a.steps}_norms_lr{lr}" / "ckpt" / "0").is_dir():
+            found[f"speculators_default_lr{lr}"] = a.work / f"spec{a.steps}_norms_lr{lr}" / "ckpt" / "0"
     out = {}
     for name, path in found.items():
         if not path.is_dir():
@@ -225,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speculators", action="store_true", help="include the speculators reference head")
     ap.add_argument("--spec-default", action="store_true",
                     help="also train (stage speculators) and decode speculators with its default norm layout")
+    ap.add_argument("--spec-default-lrs", default="", help="comma list of further learning rates for speculators "
+                    "with its default layout (e.g. 2e-3: the reference at spectrain's lr); heads speculators_default_lrX")
     ap.add_argument("--extra", action="append", default=[], help="NAME=HEAD_DIR, another head for the eval")
     ap.add_argument("--spec-venv", default=os.environ.get("SPEC_VENV", "/work/spec_venv"))
     ap.add_argument("--anchor", default=os.environ.get("SPECULATORS_ANCHOR", str(ROOT.parent / "shared" / "anchors"
@@ -241,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     a.variants = [v for v in a.variants.split(",") if v]
     a.sets = [s for s in a.sets.split(",") if s]
     a.refs = [r for r in a.refs.split(",") if r]
+    a.spec_default_lrs = [x for x in a.spec_default_lrs.split(",") if x]
     unknown = [v for v in a.variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
