@@ -107,7 +107,7 @@ def speculators(a) -> None:
               "--steps", str(a.steps), "--ttt-steps", "5", "--lr", "1e-3", "--draft-vocab-size", "2048",
               "--total-seq-len", "1090", "--scheduler", "cosine", "--warmup-steps", "30", "--hs-dtype", "float32",
               "--train-ratio", f"{ratio:.8f}", "--", "--ttt-step-loss-decay", "0.8", "--weight-decay", "0.0"]
-    if not (run / "ckpt" / "0" / "config.json").is_file():  # norm flags off: the layer spectrain had on main
+    if a.speculators and not (run / "ckpt" / "0" / "config.json").is_file():  # norm flags off: main's layer
         sh([*common[:6], "--run-dir", str(run), *common[6:], "--no-norm-before-residual", "--no-norm-before-fc",
             "--no-norm-output"], log, a.threads)
     default = w / f"spec{a.steps}_norms"  # speculators' default layout (norm flags on), imported by spectrain
@@ -118,7 +118,7 @@ def speculators(a) -> None:
         if not (run_lr / "ckpt" / "0" / "config.json").is_file():
             at = common.index("--lr") + 1
             sh([*common[:6], "--run-dir", str(run_lr), *common[6:at], lr, *common[at + 1:]], log, a.threads)
-    if not (head / "drafter_config.json").is_file():
+    if a.speculators and not (head / "drafter_config.json").is_file():
         sh([py, str(anc / "to_spectrain.py"), "--src", str(run / "ckpt" / "0"), "--out", str(head),
             "--target", "assets/reference-target", "--ttt-decay", "0.8"], log, a.threads)
 
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     a.work = a.work.resolve()
     if a.stage in ("all", "train"):
         train_variants(a)
-    if a.stage in ("all", "speculators") and (a.speculators or a.stage == "speculators"):
+    if a.stage == "speculators" or (a.stage == "all" and (a.speculators or a.spec_default or a.spec_default_lrs)):
         speculators(a)
     if a.stage in ("all", "eval"):
         evaluate(a)

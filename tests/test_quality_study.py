@@ -29,7 +29,8 @@ def test_speculators_runs_default_layout_at_each_extra_lr(qs, tmp_path, monkeypa
     cmds = []
     monkeypatch.setattr(qs, "sh", lambda cmd, log, threads: cmds.append(cmd))
     a = qs.main.__globals__["argparse"].Namespace(spec_venv="/venv", anchor="/anchor", work=tmp_path, steps=200,
-                                                  spec_default=True, spec_default_lrs=["2e-3"], threads=1)
+                                                  spec_default=True, spec_default_lrs=["2e-3"], threads=1,
+                                                  speculators=True)
     qs.speculators(a)
     runs = {c[c.index("--run-dir") + 1]: c for c in cmds if "--run-dir" in c}
     assert set(runs) == {str(tmp_path / n) for n in ("spec200", "spec200_norms", "spec200_norms_lr2e-3")}
@@ -60,3 +61,19 @@ def test_tables_merge_runs_and_compare_with_each_reference(qs, tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| mine | ")]
     assert any(r.startswith("| mine | +1.00 [") and r.endswith("| 2.000 |") for r in rows), text  # 2.0 vs 1.0
     assert any(r.startswith("| mine | -0.50 [") and r.endswith("| 0.800 |") for r in rows), text  # 2.0 vs 2.5
+
+
+def test_speculators_default_alone_skips_the_equal_layer_run(qs, tmp_path, monkeypatch):
+    rows = tmp_path / "rows800"
+    rows.mkdir()
+    (rows / "rows.jsonl").write_text("{}\n")
+    (rows / "rows_meta.json").write_text(json.dumps({"train": {"rows": 6400}, "heldout": {"rows": 64}}))
+    (tmp_path / "spec-data800").mkdir()
+    (tmp_path / "spec-data800" / "harness_meta.json").write_text("{}")
+    cmds = []
+    monkeypatch.setattr(qs, "sh", lambda cmd, log, threads: cmds.append(cmd))
+    a = qs.main.__globals__["argparse"].Namespace(spec_venv="/venv", anchor="/anchor", work=tmp_path, steps=800,
+                                                  spec_default=True, spec_default_lrs=[], threads=1, speculators=False)
+    qs.speculators(a)
+    assert [c[c.index("--run-dir") + 1] for c in cmds if "--run-dir" in c] == [str(tmp_path / "spec800_norms")]
+    assert not any("to_spectrain.py" in " ".join(c) for c in cmds)
