@@ -19,19 +19,24 @@ def qs():
     return mod
 
 
-def test_speculators_runs_default_layout_at_each_extra_lr(qs, tmp_path, monkeypatch):
-    rows = tmp_path / "rows200"
+def _planned(qs, tmp_path, monkeypatch, steps: int, train_rows: int, **flags) -> list[list[str]]:
+    """The commands speculators() would run for a study whose rows and hidden states already exist."""
+    rows = tmp_path / f"rows{steps}"
     rows.mkdir()
     (rows / "rows.jsonl").write_text("{}\n")
-    (rows / "rows_meta.json").write_text(json.dumps({"train": {"rows": 1600}, "heldout": {"rows": 64}}))
-    (tmp_path / "spec-data200").mkdir()
-    (tmp_path / "spec-data200" / "harness_meta.json").write_text("{}")
+    (rows / "rows_meta.json").write_text(json.dumps({"train": {"rows": train_rows}, "heldout": {"rows": 64}}))
+    (tmp_path / f"spec-data{steps}").mkdir()
+    (tmp_path / f"spec-data{steps}" / "harness_meta.json").write_text("{}")
     cmds = []
     monkeypatch.setattr(qs, "sh", lambda cmd, log, threads: cmds.append(cmd))
-    a = qs.main.__globals__["argparse"].Namespace(spec_venv="/venv", anchor="/anchor", work=tmp_path, steps=200,
-                                                  spec_default=True, spec_default_lrs=["2e-3"], threads=1,
-                                                  speculators=True)
-    qs.speculators(a)
+    qs.speculators(qs.main.__globals__["argparse"].Namespace(spec_venv="/venv", anchor="/anchor", work=tmp_path,
+                                                             steps=steps, threads=1, **flags))
+    return cmds
+
+
+def test_speculators_runs_default_layout_at_each_extra_lr(qs, tmp_path, monkeypatch):
+    cmds = _planned(qs, tmp_path, monkeypatch, 200, 1600, spec_default=True, spec_default_lrs=["2e-3"],
+                    speculators=True)
     runs = {c[c.index("--run-dir") + 1]: c for c in cmds if "--run-dir" in c}
     assert set(runs) == {str(tmp_path / n) for n in ("spec200", "spec200_norms", "spec200_norms_lr2e-3")}
     lr = {Path(k).name: c[c.index("--lr") + 1] for k, c in runs.items()}
@@ -64,16 +69,6 @@ def test_tables_merge_runs_and_compare_with_each_reference(qs, tmp_path):
 
 
 def test_speculators_default_alone_skips_the_equal_layer_run(qs, tmp_path, monkeypatch):
-    rows = tmp_path / "rows800"
-    rows.mkdir()
-    (rows / "rows.jsonl").write_text("{}\n")
-    (rows / "rows_meta.json").write_text(json.dumps({"train": {"rows": 6400}, "heldout": {"rows": 64}}))
-    (tmp_path / "spec-data800").mkdir()
-    (tmp_path / "spec-data800" / "harness_meta.json").write_text("{}")
-    cmds = []
-    monkeypatch.setattr(qs, "sh", lambda cmd, log, threads: cmds.append(cmd))
-    a = qs.main.__globals__["argparse"].Namespace(spec_venv="/venv", anchor="/anchor", work=tmp_path, steps=800,
-                                                  spec_default=True, spec_default_lrs=[], threads=1, speculators=False)
-    qs.speculators(a)
+    cmds = _planned(qs, tmp_path, monkeypatch, 800, 6400, spec_default=True, spec_default_lrs=[], speculators=False)
     assert [c[c.index("--run-dir") + 1] for c in cmds if "--run-dir" in c] == [str(tmp_path / "spec800_norms")]
     assert not any("to_spectrain.py" in " ".join(c) for c in cmds)
