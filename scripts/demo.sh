@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job, end to end on the bundled reference target (CPU, about 27 minutes on 2 cores):
+# The main job, end to end on the bundled reference target (CPU, about 20 minutes on 2 free cores):
 #   1. validate the tiny EAGLE-3 recipe,
 #   2. train an EAGLE-3 head (runs/tiny-eagle3: metrics.jsonl, step-N/, best/, init/ = untrained head),
 #   3. evaluate the trained head, the untrained head and the n-gram baseline on the held-out split
