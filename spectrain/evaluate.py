@@ -219,7 +219,9 @@ def encode_prompts(ps: PromptSet, tokenizer, n: int, max_len: int | None, max_pr
 
 def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.description = __doc__.split("\n\n")[0]
-    p.add_argument("--target", help="target model (local HF dir or hub id); default: the recipe's target")
+    p.add_argument("--target", help="target model (local HF dir, hub id or .gguf file); default: the recipe's target")
+    p.add_argument("--gguf-file", default="", help="with --target DIR_OR_REPO: the GGUF file in it (dequantized "
+                   "once into a cached checkpoint)")
     p.add_argument("--recipe", help="recipe YAML: gives the held-out prompt set and the default target")
     p.add_argument("--drafter", action="append", default=None,
                    help="'ngram', a trained drafter dir, an HF draft model path, or 'none' (baseline only); "
@@ -397,7 +399,8 @@ def main(args) -> int:
     names = list(dict.fromkeys(args.prompts or ((["heldout"] if recipe else []) + DEFAULT_OOD_SETS)))
     sets = [load_prompt_set(n, Path(args.prompts_dir), recipe, tuple(args.in_domain)) for n in names]
     device_map = args.device_map or (recipe.target.device_map if recipe and not args.target else "") or None
-    target = load_target(target_name, dtype=args.dtype, device=args.device, device_map=device_map)
+    gguf_file = args.gguf_file or (recipe.target.gguf_file if recipe and not args.target else "")
+    target = load_target(target_name, dtype=args.dtype, device=args.device, device_map=device_map, gguf_file=gguf_file)
     if not args.no_chat_template and not getattr(target.tokenizer, "chat_template", None):
         raise ValueError(f"target {target_name!r} has no chat template in its tokenizer config; "
                          "pass --no-chat-template to feed the raw prompt text")
