@@ -31,6 +31,8 @@ def measure_curve(target, batch: int = 1, context: int = 200, tokens=TOKENS, rep
     """Median seconds of one target pass over t new tokens per row (B rows, `context` cached tokens)."""
     from transformers import DynamicCache
 
+    from spectrain.decoding import _rollback  # the decoder's own cache surgery (crop refuses some layer types)
+
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, target.vocab_size, (batch, context + max(tokens)), generator=g).to(target.device)
     cache = DynamicCache()
@@ -38,12 +40,11 @@ def measure_curve(target, batch: int = 1, context: int = 200, tokens=TOKENS, rep
     out: dict[int, list[float]] = {t: [] for t in tokens}
     for r in range(repeats + 1):  # the first round warms up kernels and allocator; not counted
         for t in tokens:  # interleaved, so a slow moment hits every t alike
-            cache.crop(context)
+            _rollback(cache, context, [])
             start = time.perf_counter()
             target.model(ids[:, context:context + t], use_cache=True, **{target._cache_kw: cache})
             if r:
                 out[t].append(time.perf_counter() - start)
-    cache.crop(context)
     return {t: statistics.median(v) for t, v in out.items()}
 
 
@@ -89,3 +90,53 @@ def curve_table(curves: dict[int, dict[int, float]]) -> str:
         cells = [f"{c[t] * 1e3:.1f} ms ({c[t] / c[ts[0]]:.2f}x)" for t in ts]
         lines.append(f"| {b} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def draft_step_seconds(rec: dict) -> float | None:
+    """Seconds of one drafter step in an eval record (draft time per verification pass / depth)."""
+    passes, k = rec.get("target_passes") or 0, rec.get("k") or 0
+    return rec["draft_time_s"] / (passes * k) if passes and k else None
+
+
+def recommend(records: list[dict], curve: dict[int, float], max_k: int = 8) -> list[dict]:
+    """Per (drafter, T, prompt set): the chain length the measured curve and the measured alpha_i / drafter
+    cost predict to be fastest, beside each evaluated setting's predicted and measured speedup."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["drafter"], r["temperature"], r["prompt_set"]), []).append(r)
+    out = []
+    for (drafter, temp, ps), recs in groups.items():
+        chains = [r for r in recs if not r.get("tree")]
+        if not chains:
+            continue
+        longest = max(chains, key=lambda r: r["k"])  # the most positions measured
+        alphas = [a if a is not None else 0.0 for a in longest["alpha"]][:max_k]
+        d = draft_step_seconds(longest) or 0.0
+        best_k, pred = pick_chain(alphas, d, curve)
+        rows = []
+        for r in recs:
+            t = r.get("tree")
+            p = (pred.get(r["k"]) if not t else
+                 tree_speedup(r["tau"] or 1.0, t["total_tokens"], t["depth"], curve, draft_step_seconds(r) or 0.0))
+            rows.append({"config": r["config"], "predicted": p, "measured": r.get("measured_speedup")})
+        measured_best = max(rows, key=lambda x: x["measured"] or 0.0)["config"]
+        out.append({"drafter": drafter, "temperature": temp, "prompt_set": ps, "alphas": alphas,
+                    "draft_step_ms": d * 1e3, "best_k": best_k, "predicted_by_k": pred, "settings": rows,
+                    "measured_best": measured_best})
+    return out
+
+
+def recommend_markdown(recs: list[dict]) -> list[str]:
+    lines = ["| drafter | T | prompt set | drafter step | pick (measured curve) | setting: predicted / measured speedup "
+             "| measured best |", "|---|---|---|---|---|---|---|"]
+    for r in recs:
+        cells = "; ".join(f"{s['config'].split(' T=')[0]}: {_x(s['predicted'])} / {_x(s['measured'])}"
+                          for s in r["settings"])
+        lines.append(f"| {r['drafter']} | {r['temperature']:g} | {r['prompt_set']} | {r['draft_step_ms']:.1f} ms "
+                     f"| k={r['best_k']} ({_x(r['predicted_by_k'][r['best_k']])}) | {cells} "
+                     f"| {r['measured_best'].split(' T=')[0]} |")
+    return lines
+
+
+def _x(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"

@@ -265,6 +265,10 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from spectrain.sweep import add_sweep_args
 
     add_sweep_args(p)  # --batch-size (repeatable), --gpu, --gpu-bandwidth, --gpu-flops
+    p.add_argument("--cost-curve", action="store_true",
+                   help="also measure the target's verification cost curve (one pass over t = 1..32 new tokens, "
+                        "per batch size) and pick the chain length it predicts fastest from the measured alpha_i "
+                        "and drafter cost (report: cost_curve.md)")
     return p
 
 
@@ -433,15 +437,34 @@ def main(args) -> int:
     from spectrain.sweep import batch_sweep
 
     sweep = batch_sweep(target, drafters, plan, encoded, args) if getattr(args, "batch_size", None) else None
+    costs = _cost_curve(target, records, args, meta) if args.cost_curve else None
     with staged_dir(args.out) as tmp:  # lands whole or not at all; --force replaces, never mixes
         paths = report.write_all(tmp, meta, records, report_to=args.report_to, wandb_project=args.wandb_project,
                                  batch_sweep=sweep)
+        if costs:
+            (tmp / "cost_curve.md").write_text(costs + "\n")
+            paths.append(tmp / "cost_curve.md")
     paths = [args.out / p.relative_to(tmp) for p in paths]
     print(report.summary_table(records, meta))
     if sweep is not None:
         print("\n".join(report.sweep_markdown(sweep)))
+    if costs:
+        print(costs)
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
+
+
+def _cost_curve(target, records: list[dict], args, meta: dict) -> str:
+    """The measured verification cost curve (B = 1 and every --batch-size) and the chain length it picks."""
+    from spectrain import cost_curve as cc
+
+    curves = {b: cc.measure_curve(target, batch=b) for b in sorted({1, *(getattr(args, "batch_size", None) or [])})}
+    recs = cc.recommend(records, curves[1])
+    meta["cost_curve"] = {"seconds": {str(b): {str(t): v for t, v in c.items()} for b, c in curves.items()},
+                          "recommendations": recs, "context_tokens": 200}
+    return "\n".join(["## Verification cost curve (measured: one target pass over t new tokens, 200 cached)", "",
+                      cc.curve_table(curves), "", "## Chain length picked from the measured curve (B = 1)", "",
+                      *cc.recommend_markdown(recs)])
 
 
 def _encode_all(sets: list[PromptSet], tokenizer, max_len: int | None, args) -> dict[str, list[list[int]]]:

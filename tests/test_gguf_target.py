@@ -24,21 +24,32 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.Q8_0.gguf")
 
 
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
+def cache(shared_cache, monkeypatch) -> Path:
+    """One conversion shared by the module's tests (each conversion costs seconds)."""
+    monkeypatch.setenv("SPECTRAIN_CACHE_DIR", str(shared_cache))
+    return shared_cache
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("SPECTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 
-def test_gguf_target_is_dequantized_once_and_matches_transformers(tiny_gguf, cache, monkeypatch):
+def test_gguf_target_is_dequantized_once_and_matches_transformers(tiny_gguf, fresh_cache, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     target = load_target(str(tiny_gguf), device="cpu")
     assert target.gguf["quant_type"] == "Q8_0" and len(target.gguf["gguf_sha256"]) == 64
     assert target.name_or_path == str(tiny_gguf)  # what the user named is what configs record
-    converted = list((cache / "gguf").iterdir())
-    assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file()
-    assert not [p for p in (cache / "gguf").iterdir() if p.name.startswith(".tmp-")]
+    converted = list((fresh_cache / "gguf").iterdir())
+    assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file()  # no .tmp-* left behind
 
     direct = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name,
                                                   dtype=torch.float32)
@@ -73,7 +84,7 @@ def test_gguf_errors_name_the_fix(tiny_gguf, cache, monkeypatch, tmp_path):
         load_target(str(tiny_gguf), device="cpu")
 
 
-def test_gguf_without_tokenizer_is_refused(tiny_gguf, cache, monkeypatch):
+def test_gguf_without_tokenizer_is_refused(tiny_gguf, fresh_cache, monkeypatch):
     import transformers
 
     def no_tokenizer(*a, **k):
@@ -82,7 +93,7 @@ def test_gguf_without_tokenizer_is_refused(tiny_gguf, cache, monkeypatch):
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_tokenizer)
     with pytest.raises(ValueError, match="carries no tokenizer"):
         gguf_target.resolve_target_path(str(tiny_gguf))
-    assert not (cache / "gguf").exists() or not any((cache / "gguf").iterdir())  # nothing half-written
+    assert not any((fresh_cache / "gguf").iterdir())  # nothing half-written
 
 
 def test_eval_cli_on_a_gguf_target(tiny_gguf, cache, tmp_path):
