@@ -48,6 +48,8 @@ def make_windowed_target(arch: str, vocab_size: int = 128, layers: int = 4, hidd
         # Qwen2: layers >= max_window_layers slide (full layers first, then sliding ones)
         "qwen2": lambda: (tf.Qwen2Config(use_sliding_window=True, max_window_layers=layers // 2, **common),
                           tf.Qwen2ForCausalLM),
+        "qwen3": lambda: (tf.Qwen3Config(head_dim=8, use_sliding_window=True, max_window_layers=layers // 2, **common),
+                          tf.Qwen3ForCausalLM),
         "gpt_oss": lambda: (tf.GptOssConfig(head_dim=8, num_local_experts=4, num_experts_per_tok=2, layer_types=mixed,
                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common),
                             tf.GptOssForCausalLM),
@@ -133,7 +135,7 @@ def test_greedy_beyond_the_window_equals_generate(arch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen2", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen2", "qwen3", "gpt_oss"])
 def test_every_family_beyond_the_window_equals_generate(arch):
     check_greedy(arch)
 
