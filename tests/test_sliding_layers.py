@@ -104,24 +104,27 @@ def test_layer_masks_per_type_only_beyond_the_window():
         masks.tree_mask(odd, [-1], P, torch.arange(P, P + 2))
 
 
-def cases(target) -> dict:
+def cases(target, arch: str) -> dict:
     """name -> (drafter factory, tree options, batch sizes): chains and trees, accepted paths that are not
-    the leading nodes (the oracle tree), untrained EAGLE-3 and Medusa heads (mostly rejected drafts)."""
-    return {"ngram": (NgramDrafter, None, (None, 4)), "ngram-tree": (NgramDrafter, {"topk": 3}, (None, 4)),
+    the leading nodes (the oracle tree), untrained EAGLE-3 and Medusa heads (mostly rejected drafts), a
+    draft model of the same architecture (its batched cache gets per-layer-type masks too)."""
+    return {"draft": (lambda: DraftLMDrafter(make_windowed_target(arch, layers=2, seed=5).model, target), None,
+                      (None, 4)),
+            "ngram": (NgramDrafter, None, (None, 4)), "ngram-tree": (NgramDrafter, {"topk": 3}, (None, 4)),
             "eagle3": (lambda: eagle3(target), None, (None, 3)),
             "eagle3-tree": (lambda: eagle3(target), {"topk": 3}, (None, 4)),
             "medusa-tree": (lambda: medusa(target), {"topk": 2, "total_tokens": 8}, (None, 4)),
             "oracle-tree": (lambda: OracleTree(target), {}, (None, 4))}
 
 
-FAST = {"ngram": (None, 4), "oracle-tree": (None, 4), "eagle3-tree": (4,), "medusa-tree": (4,)}
+FAST = {"draft": (4,), "ngram": (None, 4), "oracle-tree": (None, 4), "eagle3-tree": (4,), "medusa-tree": (4,)}
 
 
 def check_greedy(arch: str, only: dict | None = None) -> None:
     target = make_windowed_target(arch)
     refs = refs_of(target)
     assert [o.tokens for o in plain_generate(target, PROMPTS, NEW, eos_token_id=[], batch_size=4)] == refs
-    for name, (make, tree, sizes) in cases(target).items():
+    for name, (make, tree, sizes) in cases(target, arch).items():
         for batch_size in sizes if only is None else only.get(name, ()):
             outs = speculative_generate(target, make(), PROMPTS, NEW, k=4, eos_token_id=[], tree=tree,
                                         batch_size=batch_size)
