@@ -9,7 +9,7 @@ Target cache: one HF ``DynamicCache`` of shape ``[B, heads, S, dim]``. Every ste
 q = 1 + n_max slots to every row; ``slot_pos[b, s]`` is the logical position held by slot s of row
 b, or -1 for a hole (left padding of the prefill, padded nodes, rejected nodes). The attention mask
 is built here as a 4-D ``[B, 1, q, S + q]`` tensor, which HF models take as-is: a query attends to
-its row's valid past slots (inside the sliding window, when the model has a uniform one), to its
+its row's valid past slots (sliding-window layers: inside the window, spectrain/masks.py), to its
 tree ancestors among this step's nodes and to itself. Position ids are explicit per row, so holes
 cost nothing but memory; the cache is compacted (valid slots gathered, left padded) when holes
 outnumber valid slots. Rows that stop (eos or max_new_tokens) leave the batch: their cache rows are
@@ -33,7 +33,7 @@ import torch
 
 from spectrain.acceptance import accept_chain, accept_tree
 from spectrain.drafters.base import DraftContext
-from spectrain.masks import as_attn_mask, uniform_sliding_window
+from spectrain.masks import layer_masks
 
 
 @dataclass
@@ -203,20 +203,14 @@ class _Step:
 
 
 def _mask(target, slot_pos: torch.Tensor, qpos: torch.Tensor, anc: torch.Tensor, sizes: torch.Tensor):
-    """[B, 1, q, S + q]: valid past slots (inside a uniform sliding window), tree ancestors, itself.
+    """[B, 1, q, S + q] (per layer type, see masks.layer_masks): valid past slots, tree ancestors, itself.
     Padded nodes (index > the row's proposal size) see only themselves: finite, and never seen."""
     B, q = qpos.shape
     real = torch.arange(q, device=qpos.device)[None, :] <= sizes[:, None]  # [B, q]
     past = (slot_pos >= 0)[:, None, :] & real[:, :, None]  # [B, q, S]
-    span = int(qpos.max()) + 1
-    window = uniform_sliding_window(target.config, span)
-    if window is not None:
-        past &= (qpos[:, :, None] - slot_pos[:, None, :]) < window
-        anc = anc & ((qpos[:, :, None] - qpos[:, None, :]) < window)
-    mask = torch.cat([past, anc & real[:, None, :]], -1)
-    mask |= torch.cat([torch.zeros_like(past), torch.eye(q, dtype=torch.bool, device=qpos.device).expand(B, q, q)],
-                      -1)
-    return as_attn_mask(target, mask[:, None])
+    eye = torch.eye(q, dtype=torch.bool, device=qpos.device).expand(B, q, q)
+    allowed = torch.cat([past, (anc & real[:, None, :]) | eye], -1)
+    return layer_masks(target, allowed, qpos, torch.cat([slot_pos, qpos], 1))
 
 
 def _prefill(target, rows, aux_layers, want_final, want_feats):
@@ -242,10 +236,7 @@ def _prefill(target, rows, aux_layers, want_final, want_feats):
     causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
     mask = causal[None] & valid[:, None, :] & valid[:, :, None]
     mask |= torch.eye(L, dtype=torch.bool, device=dev)[None]  # pad queries see themselves: no NaN rows
-    window = uniform_sliding_window(target.config, L)
-    if window is not None:
-        mask &= (pos[:, :, None] - pos[:, None, :]) < window
-    out = target.forward(ids, position_ids=pos, attention_mask=as_attn_mask(target, mask[:, None]), cache=cache,
+    out = target.forward(ids, position_ids=pos, attention_mask=layer_masks(target, mask, pos, pos), cache=cache,
                          aux_layers=aux_layers, want_final_hidden=want_final, want_logits=False, use_cache=True)
     if want_feats:
         for b, (r, n) in enumerate(zip(rows, lens)):
