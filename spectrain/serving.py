@@ -178,8 +178,9 @@ def eagle3_commands(engine: str, target: str, model_dir: str, d: Decode, capture
 def medusa_commands(engine: str, target: str, model_dir: str, d: Decode, num_heads: int) -> ServeCommand:
     if engine == "vllm":
         cmd = _vllm("medusa", target, model_dir, d.k)
-        cmd.notes.append(f"{NO_MEDUSA['vllm']}: this command is for earlier vLLM releases whose SpeculativeMethod "
-                         "lists 'medusa'; on vLLM 0.33 serve an EAGLE-3 head instead")
+        cmd.notes.append(f"{NO_MEDUSA['vllm']}: this command is for the vLLM releases that loaded Medusa (V1 engine "
+                         "from PR #17956, May 2025; see spectrain's README, Export); on vLLM 0.33 serve an EAGLE-3 "
+                         "head instead")
     else:
         chain = [[0] * i for i in range(1, d.k + 1)]  # path i = the top-1 token of heads 1..i
         cmd = _trtllm("tensorrt", target, {"decoding_type": "Medusa", "max_draft_len": d.k,
