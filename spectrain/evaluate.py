@@ -431,9 +431,13 @@ def main(args) -> int:
 
     sweep = batch_sweep(target, drafters, plan, encoded, args) if getattr(args, "batch_size", None) else None
     with staged_dir(args.out) as tmp:  # lands whole or not at all; --force replaces, never mixes
-        paths = report.write_all(tmp, meta, records, report_to=args.report_to, wandb_project=args.wandb_project,
-                                 batch_sweep=sweep)
+        paths = report.write_all(tmp, meta, records, batch_sweep=sweep)
     paths = [args.out / p.relative_to(tmp) for p in paths]
+    trackers = [t for t in args.report_to or [] if t != "none"]
+    if trackers:  # after the report landed: the runs are named after, and write into, the final directory
+        from spectrain.eval_tracking import log_trackers
+
+        log_trackers(args.out, meta, records, [p for p in paths if p.suffix == ".png"], trackers, args.wandb_project)
     print(report.summary_table(records, meta))
     if sweep is not None:
         print("\n".join(report.sweep_markdown(sweep)))
