@@ -423,6 +423,7 @@ def main(args) -> int:
             for ps in sets:
                 cell = cells[(d, cfg.label, ps.name)]
                 cell["prompt_stats"], cell["stats"] = cell["stats"], DecodeStats.merge(cell["stats"])
+                cell["prompt_ids"] = [prompt_id(ids) for ids in encoded[ps.name]]  # `spectrain compare` pairs by these
                 records.append(report.make_record(d, cfg, ps, cell, baselines[(cfg.temperature, ps.name)],
                                                   args.cost_ratio))
     meta = report.run_metadata(args, target_name, target, sets, baselines)
@@ -443,6 +444,13 @@ def main(args) -> int:
         print("\n".join(report.sweep_markdown(sweep)))
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
+
+
+def prompt_id(ids: list[int]) -> str:
+    """A prompt's identity across evals: a hash of the token ids the target saw (same set, template, cut)."""
+    import hashlib
+
+    return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:12]
 
 
 def _encode_all(sets: list[PromptSet], tokenizer, max_len: int | None, args) -> dict[str, list[list[int]]]:

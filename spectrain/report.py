@@ -83,6 +83,8 @@ def make_record(drafter: str, cfg, ps, res: dict, base: dict, cost_ratio: float 
         rec.update(stats.decode_intervals([len(o) for o in res["outputs"]], [int(p.target_passes) for p in per],
                                           [p.accepts for p in per], [p.attempts for p in per],
                                           [int(getattr(p, "drafted", 0) or 0) for p in per], cfg.k))
+        if res.get("prompt_ids"):
+            rec["per_prompt"]["ids"] = res["prompt_ids"]
     rec.update(stats.loop_stats(base["outputs"]))  # the target's own outputs on this set, same T
     rec["measured_speedup"] = (None if not rec["baseline_tokens_per_s"] or rec["tokens_per_s"] is None
                                else rec["tokens_per_s"] / rec["baseline_tokens_per_s"])

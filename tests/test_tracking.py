@@ -182,3 +182,7 @@ def test_two_evals_of_two_drafters_share_every_wandb_key(workdir, tmp_path, offl
     alphas = {f"alpha_{i}/k2_T0/heldout/heldout" for i in (1, 2)}  # a position never verified logs no alpha
     assert keys_a - alphas == keys_b - alphas and "tau/k2_T0/heldout/heldout" in keys_a
     assert "alpha_1/k2_T0/heldout/heldout" in keys_a & keys_b and (keys_a | keys_b) & alphas <= alphas
+    # and the two reports compare prompt by prompt (ids written by the eval)
+    rec_a = json.loads((tmp_path / "eval-a" / "report.json").read_text())["records"][0]
+    assert len(rec_a["per_prompt"]["ids"]) == 1
+    assert cli_main(["compare", str(tmp_path / "eval-a"), str(tmp_path / "eval-b")]) == 0
