@@ -24,8 +24,9 @@ CONVENTIONS = {
     "measured_speedup": "speculative tokens/s divided by plain-target tokens/s, same prompts, same run",
     "predicted_speedup": "tau / (1 + k*c), c = one draft step's cost relative to one target pass "
                          "(k = tree depth for trees)",
-    "95% intervals": "[lo, hi] after tau and alpha_i: percentile bootstrap over prompts (prompts resampled "
-                     "with replacement, the ratio of sums recomputed)",
+    "95% intervals": "[lo, hi] after tau: percentile bootstrap over prompts (prompts resampled with replacement, "
+                     "the ratio of sums recomputed); after alpha_i: Wilson score interval of the pooled accepts / "
+                     "verifications (it does not collapse at 0 or 1 as the bootstrap does)",
     "target loops": "target tokens = the plain target's mean output length on the set; rep-4g = share of its "
                     "output 4-grams that repeat an earlier 4-gram of the same output; LOOPS flags sets where "
                     f"rep-4g >= {stats.LOOP_FLAG} (a looping target inflates every drafter's acceptance)",
@@ -78,7 +79,7 @@ def make_record(drafter: str, cfg, ps, res: dict, base: dict, cost_ratio: float 
         "c_measured": measured_c,
         "predicted_speedup": None if tau is None or c is None else tau / (1 + cfg.k * c),
     }
-    per = res.get("prompt_stats")  # per-prompt counters -> 95% bootstrap intervals over prompts
+    per = res.get("prompt_stats")  # per-prompt counters -> 95% intervals (spectrain/stats.py)
     if per:
         rec.update(stats.decode_intervals([len(o) for o in res["outputs"]], [int(p.target_passes) for p in per],
                                           [p.accepts for p in per], [p.attempts for p in per],
@@ -191,7 +192,7 @@ def write_markdown(path: Path, meta: dict, records: list[dict], plots: list[Path
     md += [f"- **c** here: {c_note}",
            "- **drafted passes**: target passes on which the drafter proposed >= 1 token; tau = 1 + accepted "
            "tokens / passes, so passes without a draft pull tau below 1 + sum_i prod_j<=i alpha_j", "", "## Results", "", summary_table(records, meta), "",
-           "### 95% intervals (bootstrap over prompts)", "", interval_table(records), ""]
+           "### 95% intervals (tau: bootstrap over prompts; alpha_i: Wilson)", "", interval_table(records), ""]
     greedy = [r for r in records if "greedy_identical_to_plain" in r]
     if greedy:
         md += ["Greedy losslessness check (speculative output == plain greedy output, per prompt): "
@@ -258,7 +259,7 @@ def plot_acceptance(out_dir: Path, records: list[dict], target: str) -> list[Pat
                xticks=range(1, kmax + 1), title=f"{Path(drafter).name or drafter} · {config}\ntarget {target}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), title="solid: held-out, dashed: OOD; n_i = times position i was verified;\n"
-                  "error bars: 95% bootstrap intervals over prompts",
+                  "error bars: 95% Wilson intervals of alpha_i (pooled counts)",
                   title_fontsize=7)
         fig.tight_layout()
         p = out_dir / f"acceptance_{_slug(drafter)}_{_slug(config)}.png"

@@ -32,6 +32,17 @@ def test_alpha_columns_with_a_position_never_verified():
     assert out["tau_ci"][0] <= 24 / 13 <= out["tau_ci"][1] and out["ci_level"] == 0.95
 
 
+def test_wilson_alpha_intervals_do_not_collapse_at_0_and_1():
+    assert stats.wilson_ci(0, 1) == [0.0, pytest.approx(0.7935, abs=1e-4)]  # bootstrap: [0, 0]
+    lo, hi = stats.wilson_ci(10, 10)
+    assert hi == 1.0 and lo == pytest.approx(0.7225, abs=1e-4)
+    lo, hi = stats.wilson_ci(50, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-4) and hi == pytest.approx(0.5962, abs=1e-4)
+    assert stats.wilson_ci(0, 0) == [None, None]
+    out = stats.decode_intervals([3], [2], [[0]], [[1]], [1], k=1)  # one verification, rejected
+    assert out["alpha_ci"][0][0] == 0.0 and out["alpha_ci"][0][1] > 0.7 and "Wilson" in out["ci_method"]
+
+
 def test_paired_difference_is_tighter_than_the_marginals():
     passes = [10, 10, 10, 10, 10, 10, 10, 10]
     a = [12, 30, 15, 25, 11, 28, 14, 26]  # prompts differ a lot ...
