@@ -169,6 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--draft-model", default="", help="a trained draft model dir (spectrain train's best/ of a "
+                    "drafter.kind=draft run) instead of the untrained layer subset")
     ap.add_argument("--ngram-max", type=int, default=3)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
@@ -190,8 +192,8 @@ def main(argv=None) -> int:
     prompts = load_prompts(args.prompts, args.n_prompts, target.tokenizer)
     limit = target.max_positions or 10**9
     prompts = [p[-(limit - args.max_new_tokens):] for p in prompts]
-    tmp = tempfile.mkdtemp(prefix="spectrain-draft-")
-    draft_dir = make_layer_subset_draft(target, args.draft_layers, tmp)
+    draft_dir = args.draft_model or make_layer_subset_draft(target, args.draft_layers,
+                                                            tempfile.mkdtemp(prefix="spectrain-draft-"))
     drafter = DraftLMDrafter.from_pretrained(draft_dir, target)
     assistant = drafter.model  # the very same weights for HF assisted generation
     assistant.generation_config.num_assistant_tokens = args.k
@@ -235,7 +237,8 @@ def main(argv=None) -> int:
     base = rows["(a) HF generate, plain"]
     pairs = {"(b) spectrain + ngram": "(e) HF prompt lookup", "(c) spectrain + draft model": "(d) HF assisted, same draft"}
     print(f"\ntarget {args.target} ({target.num_layers} layers, {target.device}, {target.dtype}); {len(prompts)} prompts, "
-          f"max_new_tokens={mx}, k={k}, greedy; draft = first {args.draft_layers} target layers; "
+          f"max_new_tokens={mx}, k={k}, greedy; draft = "
+          f"{args.draft_model or f'first {args.draft_layers} target layers (untrained)'}; "
           f"median of {args.repeats} interleaved runs\n")
     print("| method | tokens | tok/s | tau | speedup vs (a) | vs HF counterpart | match (a) |")
     print("|---|---|---|---|---|---|---|")

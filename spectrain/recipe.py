@@ -35,7 +35,8 @@ Tracker = Literal["none", "jsonl", "wandb", "tensorboard"]
 
 @dataclass
 class TargetConfig:
-    name_or_path: str = "assets/reference-target"
+    name_or_path: str = "assets/reference-target"  # an HF dir or hub id, or a .gguf file (dequantized once, cached)
+    gguf_file: str = ""  # with a dir or hub repo in name_or_path: the GGUF file in it
     dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] = "auto"
     trust_remote_code: bool = False
     device_map: str = ""  # "" = one device; auto | balanced | sequential = spread over the visible GPUs (HF device_map)

@@ -333,15 +333,18 @@ def _load(recipe, n: int | None, world: int):
     from spectrain.data import load_conversations
     from spectrain.target import load_target
 
+    from spectrain.gguf_target import resolve_target_path
+
     t = recipe.target
-    tok = AutoTokenizer.from_pretrained(t.name_or_path, trust_remote_code=t.trust_remote_code)
+    src = resolve_target_path(t.name_or_path, t.gguf_file)
+    tok = AutoTokenizer.from_pretrained(src, trust_remote_code=t.trust_remote_code)
     if not getattr(tok, "chat_template", None):  # checked before loading the weights
         raise ValueError(f"target {t.name_or_path!r} has no chat template, so prompts cannot be built: use an "
                          "instruct/chat model or add chat_template to its tokenizer_config.json")
     limit = min(x for x in (n, recipe.data.max_rows) if x) if n or recipe.data.max_rows else 0
     rows, report = load_conversations(recipe.data.train_files, recipe.data.format, limit)
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() and world > 1 else None
-    target = load_target(t.name_or_path, dtype=t.dtype, device=device, device_map=t.device_map or None,
+    target = load_target(t.name_or_path, gguf_file=t.gguf_file, dtype=t.dtype, device=device, device_map=t.device_map or None,
                          trust_remote_code=t.trust_remote_code)
     return rows, report, target
 

@@ -252,7 +252,8 @@ def _check_source(name_or_path, device) -> None:
         raise FileNotFoundError(f"target {str(name_or_path)!r} is a directory without config.json: not an HF model "
                                 "directory; give the model's own directory or a hub id")
     if p.is_file():
-        raise ValueError(f"target {str(name_or_path)!r} is a file: give an HF model directory or a hub id")
+        raise ValueError(f"target {str(name_or_path)!r} is a file: give an HF model directory, a .gguf file or a "
+                         "hub id")
 
 
 def load_target(
@@ -262,12 +263,18 @@ def load_target(
     device_map=None,
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
+    gguf_file: str = "",
 ) -> FrozenTarget:
-    """Load any HF causal LM (hub id or local dir) frozen, in eval mode, with its tokenizer."""
+    """Load any HF causal LM (hub id or local dir) frozen, in eval mode, with its tokenizer. A GGUF file
+    (a ``.gguf`` path, or a dir / hub repo plus ``gguf_file``) loads its cached dequantized checkpoint
+    (spectrain/gguf_target.py), made on first use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spectrain.gguf_target import gguf_info, resolve_target_path
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    shown, name_or_path = str(name_or_path), resolve_target_path(str(name_or_path), gguf_file)
     _check_source(name_or_path, device)
     torch_dtype = resolve_dtype(dtype, device)
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
@@ -285,4 +292,7 @@ def load_target(
     if device_map is None:
         model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    return FrozenTarget(model, tokenizer, name_or_path=str(name_or_path))
+    target = FrozenTarget(model, tokenizer, name_or_path=shown)
+    target.load_path = name_or_path  # what transformers loaded (the dequantized checkpoint for a GGUF)
+    target.gguf = gguf_info(name_or_path) if Path(name_or_path).is_dir() else None
+    return target

@@ -350,7 +350,7 @@ class DraftStudent(nn.Module):
         else:
             raise ValueError(f"drafter.draft.init={d.init} needs drafter.draft.model (an HF id or directory)")
         check_vocab(target, model, tok)
-        source = target.name_or_path if d.init.startswith("layers:") else d.model
+        source = getattr(target, "load_path", target.name_or_path) if d.init.startswith("layers:") else d.model
         cfg = {"kind": "draft", "init": d.init, "source": source,
                "loss": recipe.drafter.loss, "target": target.name_or_path, "target_vocab_size": target.vocab_size,
                "target_fingerprint": target_fingerprint(target), "sim_k": SIM_K}

