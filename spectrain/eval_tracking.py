@@ -1,24 +1,28 @@
 """`spectrain eval --report-to wandb|tensorboard`: the report's numbers as sortable scalars, plus charts.
 
-One scalar per (drafter, decode setting, prompt set) and metric, keyed
+One tracker run per evaluated drafter, and one scalar per (decode setting, prompt set) and metric, keyed
 
-    {metric}/{drafter}/{decode}/{split}/{prompt set}
+    {metric}/{decode}/{split}/{prompt set}
+
+so the same cell of two drafters (of one eval, or of two evals of two training runs) has the same key and
+their tau and alpha_i overlay in one chart; the drafter is a run attribute (wandb config ``drafter`` and
+``drafter_spec``, the run name's suffix when one eval has several drafters; TensorBoard: one sub-directory
+per drafter, which TensorBoard shows as runs of one chart).
 
 - metric: ``tau``, ``alpha_1`` .. ``alpha_k``, ``acceptance_rate``, ``measured_speedup``,
   ``predicted_speedup``, ``tokens_per_s`` (a position never verified has no alpha scalar);
-- drafter: ``ngram``, or a checkpoint named after its run (``runs/tiny-eagle3/best`` ->
-  ``tiny-eagle3-best``); decode: ``k5_T0``, ``tree4x5x32_T1`` ...; split: ``heldout`` | ``ood`` |
-  ``indomain``; prompt set: ``spec_bench-rag`` (``/`` -> ``-``).
+- decode: ``k5_T0``, ``tree4x5x32_T1`` ...; split: ``heldout`` | ``ood`` | ``indomain``; prompt set:
+  ``spec_bench-rag`` (``/`` -> ``-``); e.g. ``tau/k5_T0/heldout/heldout``, ``alpha_2/k5_T0/ood/humaneval``;
+- drafter: ``ngram``, or a checkpoint named after its run (``runs/tiny-eagle3/best`` -> ``tiny-eagle3-best``).
 
-e.g. ``tau/tiny-eagle3-best/k5_T0/heldout/heldout``, ``alpha_2/ngram/k5_T0/ood/humaneval``.
-The run config also maps every prompt set to its split (``prompt_set_splits``).
-
-Charts: per (drafter, decode) the alpha_i decay with one line per prompt set (wandb line_series, split in
-the line's name: wandb's line plots have no dash style, so the solid/dashed PNG is logged beside it;
-tensorboard ``add_scalars``, x = draft position), the report table with alpha_i as numeric columns,
-tau per cell, and the PNG plots. Evaluating a checkpoint of a training run (a drafter path inside a run
+The run is named after the eval's output directory (its final name, never the staging directory: the
+trackers run after the report has landed); the config also maps every prompt set to its split
+(``prompt_set_splits``). Charts: per decode setting the alpha_i decay with one line per prompt set (wandb
+line_series, split in the line's name: wandb's line plots have no dash style, so the solid/dashed PNG is
+logged beside it; tensorboard ``add_scalars``, x = draft position), the report table with alpha_i as numeric
+columns, and the PNG plots. Evaluating a checkpoint of a training run (a drafter path inside a run
 directory with tracking.json) joins that run's wandb project and group. TensorBoard files go to
-OUT/tensorboard.
+OUT/tensorboard/<drafter>.
 """
 
 from __future__ import annotations
@@ -61,12 +65,12 @@ def decode_label(rec: dict) -> str:
 
 
 def cell_key(rec: dict) -> str:
-    return "/".join([drafter_label(rec["drafter"]), decode_label(rec), SPLIT_TAG.get(rec["split"], _slug(rec["split"])),
-                     _slug(rec["prompt_set"])])
+    """The drafter-free part of a scalar's key: the same for every drafter evaluated on this cell."""
+    return "/".join([decode_label(rec), SPLIT_TAG.get(rec["split"], _slug(rec["split"])), _slug(rec["prompt_set"])])
 
 
 def scalars(records: list[dict]) -> dict[str, float]:
-    """Every (metric, cell) scalar the trackers get (see the module doc for the key scheme)."""
+    """Every (metric, cell) scalar of ONE drafter's records (see the module doc for the key scheme)."""
     out: dict[str, float] = {}
     for r in records:
         cell = cell_key(r)
@@ -79,56 +83,86 @@ def scalars(records: list[dict]) -> dict[str, float]:
     return out
 
 
-def _groups(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
-    out: dict[tuple[str, str], list[dict]] = {}
+def by_drafter(records: list[dict]) -> dict[str, list[dict]]:
+    """Records grouped by drafter spec, in report order (one tracker run each)."""
+    out: dict[str, list[dict]] = {}
     for r in records:
-        out.setdefault((drafter_label(r["drafter"]), decode_label(r)), []).append(r)
+        out.setdefault(r["drafter"], []).append(r)
     return out
 
 
-def run_link(meta: dict) -> tuple[dict | None, Path | None]:
-    """(tracking.json of the first evaluated drafter that belongs to a training run, that run's dir)."""
-    for spec in meta.get("drafters") or []:
-        run = training_run(spec)
-        if run is not None:
-            return read_link(run) or {"name": run.resolve().name, "group": run.resolve().name}, run
-    return None, None
+def _by_decode(records: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in records:
+        out.setdefault(decode_label(r), []).append(r)
+    return out
 
 
-def log_wandb(out_dir: Path, meta: dict, records: list[dict], plots: list[Path], project: str | None) -> None:
+def drafter_link(spec: str) -> tuple[dict | None, Path | None]:
+    """(tracking.json of the training run the drafter belongs to, that run's dir), or (None, None)."""
+    run = training_run(spec)
+    if run is None:
+        return None, None
+    return read_link(run) or {"name": run.resolve().name, "group": run.resolve().name}, run
+
+
+def run_name(out_dir: Path, spec: str, n_drafters: int) -> str:
+    """The eval output directory's name; with several drafters in one eval, each run adds its drafter."""
+    name = Path(out_dir).resolve().name
+    return name if n_drafters == 1 else f"{name}-{drafter_label(spec)}"
+
+
+def _wandb_run(wandb, out_dir: Path, meta: dict, spec: str, recs: list[dict], n: int, project: str | None):
+    link, _ = drafter_link(spec)
+    config = {**meta, "drafter": drafter_label(spec), "drafter_spec": spec,
+              "prompt_set_splits": {r["prompt_set"]: r["split"] for r in recs}, "eval_of_run": link}
+    return wandb.init(project=project or (link or {}).get("project") or "spectrain", name=run_name(out_dir, spec, n),
+                      job_type="eval", group=(link or {}).get("group"), dir=os.environ.get("WANDB_DIR") or str(out_dir),
+                      config=config)
+
+
+def log_wandb(out_dir: Path, meta: dict, records: list[dict], plots: list[Path], project: str | None) -> list[str]:
+    """One wandb run per drafter; returns the runs' directories (offline: what `wandb sync` takes)."""
     try:
         import wandb
     except ImportError:
         raise ValueError("--report-to wandb needs the wandb package: pip install 'spectrain[wandb]'") from None
-    link, _ = run_link(meta)
-    name = out_dir.resolve().name
-    if link and not name.startswith(link["name"]):
-        name = f"{link['name']}-{name}"
-    config = {**meta, "prompt_set_splits": {r["prompt_set"]: r["split"] for r in records},
-              "eval_of_run": link}
-    run = wandb.init(project=project or (link or {}).get("project") or "spectrain", name=name, job_type="eval",
-                     group=(link or {}).get("group"), dir=os.environ.get("WANDB_DIR") or str(out_dir), config=config)
-    try:
-        logged: dict = dict(scalars(records))
-        for (drafter, decode), recs in _groups(records).items():
-            keep = [r for r in recs if any(a is not None for a in r["alpha"])]
-            if keep:
-                logged[f"acceptance/{drafter}/{decode}"] = wandb.plot.line_series(
-                    xs=[[i + 1 for i, a in enumerate(r["alpha"]) if a is not None] for r in keep],
-                    ys=[[a for a in r["alpha"] if a is not None] for r in keep],
-                    keys=[f"{r['prompt_set']} ({r['split']}, {'solid' if r['split'] == 'held-out' else 'dashed'} "
-                          "in the PNG)" for r in keep],
-                    title=f"alpha_i vs draft position: {drafter} {decode}", xname="draft position i")
-        kmax = max((len(r["alpha"]) for r in records), default=0)
-        cols = ["drafter", "decode", "prompt_set", "split", "n_prompts", *METRICS, *(f"alpha_{i}" for i in
-                                                                                      range(1, kmax + 1))]
-        rows = [[drafter_label(r["drafter"]), decode_label(r), r["prompt_set"], r["split"], r["n_prompts"],
-                 *(r.get(m) for m in METRICS), *(r["alpha"] + [None] * (kmax - len(r["alpha"])))] for r in records]
-        logged["report"] = wandb.Table(columns=cols, data=rows)
-        logged.update({f"plots/{p.stem}": wandb.Image(str(p)) for p in plots})
-        run.log(logged)
-    finally:
-        run.finish()
+    groups, dirs = by_drafter(records), []
+    for spec, recs in groups.items():
+        run = _wandb_run(wandb, out_dir, meta, spec, recs, len(groups), project)
+        try:
+            run.log(_wandb_payload(wandb, spec, recs, plots))
+            dirs.append(str(Path(run.dir).parent))
+        finally:
+            run.finish()
+    return dirs
+
+
+def _wandb_payload(wandb, spec: str, recs: list[dict], plots: list[Path]) -> dict:
+    logged: dict = dict(scalars(recs))
+    for decode, rs in _by_decode(recs).items():
+        keep = [r for r in rs if any(a is not None for a in r["alpha"])]
+        if keep:
+            logged[f"acceptance/{decode}"] = wandb.plot.line_series(
+                xs=[[i + 1 for i, a in enumerate(r["alpha"]) if a is not None] for r in keep],
+                ys=[[a for a in r["alpha"] if a is not None] for r in keep],
+                keys=[f"{r['prompt_set']} ({r['split']}, {'solid' if r['split'] == 'held-out' else 'dashed'} "
+                      "in the PNG)" for r in keep],
+                title=f"alpha_i vs draft position: {drafter_label(spec)} {decode}", xname="draft position i")
+    kmax = max((len(r["alpha"]) for r in recs), default=0)
+    cols = ["drafter", "decode", "prompt_set", "split", "n_prompts", *METRICS, *(f"alpha_{i}" for i in range(1, kmax + 1))]
+    rows = [[drafter_label(r["drafter"]), decode_label(r), r["prompt_set"], r["split"], r["n_prompts"],
+             *(r.get(m) for m in METRICS), *(r["alpha"] + [None] * (kmax - len(r["alpha"])))] for r in recs]
+    logged["report"] = wandb.Table(columns=cols, data=rows)
+    from spectrain.report import _slug as plot_slug
+
+    mine = f"acceptance_{plot_slug(spec)}_"  # this drafter's alpha plots (keyed without it), and tau.png ...
+    for p in plots:
+        if p.stem.startswith(mine):
+            logged[f"plots/acceptance_{p.stem[len(mine):]}"] = wandb.Image(str(p))
+        elif not p.stem.startswith("acceptance_"):
+            logged[f"plots/{p.stem}"] = wandb.Image(str(p))
+    return logged
 
 
 def log_tensorboard(out_dir: Path, meta: dict, records: list[dict], plots: list[Path]) -> Path:
@@ -138,16 +172,14 @@ def log_tensorboard(out_dir: Path, meta: dict, records: list[dict], plots: list[
         raise ValueError("--report-to tensorboard needs the tensorboard package: "
                          "pip install 'spectrain[tensorboard]'") from None
     logdir = out_dir / "tensorboard"  # inside a run dir when --out is (runs/x/eval): one logdir for both
-    writer = SummaryWriter(str(logdir))
+    for spec, recs in by_drafter(records).items():  # a sub-directory per drafter = a TensorBoard run
+        writer = SummaryWriter(str(logdir / drafter_label(spec)))
+        try:
+            _tensorboard_drafter(writer, recs)
+        finally:
+            writer.close()
+    writer = SummaryWriter(str(logdir / "report"))
     try:
-        for k, v in scalars(records).items():
-            writer.add_scalar(k, v, global_step=0)
-        for (drafter, decode), recs in _groups(records).items():
-            for i in range(max(len(r["alpha"]) for r in recs)):
-                curve = {f"{SPLIT_TAG.get(r['split'], 'x')}-{_slug(r['prompt_set'])}": r["alpha"][i] for r in recs
-                         if i < len(r["alpha"]) and r["alpha"][i] is not None}
-                if curve:  # one chart per (drafter, decode), x = draft position, one line per prompt set
-                    writer.add_scalars(f"acceptance/{drafter}/{decode}", curve, global_step=i + 1)
         md = out_dir / "report.md"
         if md.is_file():
             writer.add_text("report", md.read_text())
@@ -160,9 +192,24 @@ def log_tensorboard(out_dir: Path, meta: dict, records: list[dict], plots: list[
     return logdir
 
 
+def _tensorboard_drafter(writer, recs: list[dict]) -> None:
+    for k, v in scalars(recs).items():
+        writer.add_scalar(k, v, global_step=0)
+    for decode, rs in _by_decode(recs).items():
+        for i in range(max(len(r["alpha"]) for r in rs)):
+            curve = {f"{SPLIT_TAG.get(r['split'], 'x')}-{_slug(r['prompt_set'])}": r["alpha"][i] for r in rs
+                     if i < len(r["alpha"]) and r["alpha"][i] is not None}
+            if curve:  # one chart per decode setting, x = draft position, one line per prompt set
+                writer.add_scalars(f"acceptance/{decode}", curve, global_step=i + 1)
+
+
 def log_trackers(out_dir: Path, meta: dict, records: list[dict], plots: list[Path], report_to: list[str],
                  project: str | None) -> None:
+    """Call with the report's FINAL directory (after it landed), so every path the trackers write or print
+    is one that exists afterwards."""
     if "wandb" in report_to:
-        log_wandb(out_dir, meta, records, plots, project)
+        for d in log_wandb(out_dir, meta, records, plots, project):
+            print(f"wandb: {d}" + (f"  (offline: `wandb sync {d}`)" if os.environ.get("WANDB_MODE") == "offline"
+                                   else ""))
     if "tensorboard" in report_to:
-        print(f"tensorboard: {log_tensorboard(out_dir, meta, records, plots)}")
+        print(f"tensorboard: tensorboard --logdir {log_tensorboard(out_dir, meta, records, plots)}")

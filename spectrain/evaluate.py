@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from spectrain.resources import prompts_dir
@@ -246,6 +247,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling for T > 0 (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k sampling for T > 0 (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed+i, for the baseline and every drafter")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="time every prompt N times, plain and speculative alternating, and report the median "
+                        "(speedup: the median of the paired ratios); outputs and acceptance come from the first")
     p.add_argument("--cost-ratio", type=float, default=None,
                    help="c = one draft step's cost relative to one target pass, for the predicted speedup "
                         "tau/(1+k*c) (default: the c measured in this run, labelled as measured)")
@@ -299,6 +303,7 @@ def validate_args(args) -> None:
         (0.0 < args.top_p <= 1.0, f"--top-p must be in (0, 1], got {args.top_p}"),
         (args.top_k >= 0, f"--top-k must be >= 0 (0 = off), got {args.top_k}"),
         (args.n >= 1, f"--n must be >= 1, got {args.n}"),
+        (args.repeats >= 1, f"--repeats must be >= 1 (1 = time each decode once), got {args.repeats}"),
         (args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
         (args.max_prompt_tokens is None or args.max_prompt_tokens >= 1, "--max-prompt-tokens must be >= 1"),
         (args.cost_ratio is None or args.cost_ratio >= 0, f"--cost-ratio must be >= 0, got {args.cost_ratio}"),
@@ -343,20 +348,38 @@ def _new_cell() -> dict:
     return {"tokens": 0, "seconds": 0.0, "outputs": [], "stats": []}
 
 
-def _decode_into(cell: dict, fn, **kw) -> None:
-    """One prompt through `fn` (plain or speculative), timed end to end, accumulated into `cell`."""
+def _decode_into(cell: dict, fn, rep: int = 0, **kw) -> None:
+    """One prompt through `fn` (plain or speculative), timed end to end, accumulated into `cell`: the time
+    into repeat `rep`'s total, the tokens and statistics from the first repeat (the others decode the same)."""
     from spectrain.sweep import timed
 
     out, seconds = timed(fn, **kw)
-    cell["seconds"] += seconds
-    cell["tokens"] += len(out.tokens)
-    cell["outputs"].append(list(out.tokens))
-    cell["stats"].append(out.stats)
+    reps = cell.setdefault("rep_seconds", [])
+    reps.extend([0.0] * (rep + 1 - len(reps)))
+    reps[rep] += seconds
+    cell["seconds"] = float(np.median(reps))  # one repeat: its total
+    if rep == 0:
+        cell["tokens"] += len(out.tokens)
+        cell["outputs"].append(list(out.tokens))
+        cell["stats"].append(out.stats)
+
+
+def decode_weight(ids: list[int], args) -> int:
+    """What one decode of a prompt counts on the progress bar: the tokens the target reads and writes (a long
+    RAG prompt costs more than a short chat turn, which a bar counting prompts hides)."""
+    return len(ids) + args.max_new_tokens
+
+
+def progress_total(encoded: dict, plan: dict, args) -> int:
+    """The progress bar's total: every decode (baselines included, every repeat) weighted by its tokens."""
+    weight = sum(decode_weight(ids, args) for v in encoded.values() for ids in v)
+    return weight * (len(args.temperature) + sum(len(c) for c in plan.values())) * getattr(args, "repeats", 1)
 
 
 def run_cells(target, drafters: dict, plan: dict, sets: list[PromptSet], encoded: dict, args, bar) -> dict:
     """Every cell of the grid, prompt by prompt: the baseline and each drafter config take turns on the same
-    prompt, so load drift on a shared machine hits both sides of the measured speedup alike."""
+    prompt, `--repeats` times in a row (plain, spec, ..., plain, spec, ...), so load drift on a shared machine
+    hits both sides of the measured speedup alike and no speedup rests on one slow moment of the baseline."""
     from spectrain.decoding import plain_generate, speculative_generate
 
     cells: dict = {}
@@ -369,11 +392,12 @@ def run_cells(target, drafters: dict, plan: dict, sets: list[PromptSet], encoded
                 common = dict(target=target, input_ids=torch.tensor(ids, device=target.device),
                               max_new_tokens=args.max_new_tokens, temperature=temp, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed + i)
-                _decode_into(base, plain_generate, **common)
-                for d, cfg in todo:
-                    _decode_into(cells.setdefault((d, cfg.label, ps.name), _new_cell()), speculative_generate,
-                                 drafter=drafters[d], k=cfg.k, tree=cfg.tree, **common)
-                bar.update(1 + len(todo))
+                for rep in range(getattr(args, "repeats", 1)):
+                    _decode_into(base, plain_generate, rep, **common)
+                    for d, cfg in todo:
+                        _decode_into(cells.setdefault((d, cfg.label, ps.name), _new_cell()), speculative_generate,
+                                     rep, drafter=drafters[d], k=cfg.k, tree=cfg.tree, **common)
+                    bar.update(decode_weight(ids, args) * (1 + len(todo)))
     return cells
 
 
@@ -416,10 +440,9 @@ def main(args) -> int:
     encoded = _encode_all(sets, target.tokenizer, max_len, args)
     drafters = _load_drafters(args.drafter, target)
     plan = {d: _configs(args, drafters[d]) for d in drafters}
-    n_prompts = sum(len(v) for v in encoded.values())
-    total = n_prompts * (len(args.temperature) + sum(len(c) for c in plan.values()))  # decodes, baseline incl.
     _warm_up(target, encoded[sets[0].name][0])
-    with tqdm(total=total, desc="decoded prompts", unit="prompt") as bar:
+    with tqdm(total=progress_total(encoded, plan, args), desc="decoding (prompt + new tokens)", unit="tok",
+              unit_scale=True) as bar:
         cells = run_cells(target, drafters, plan, sets, encoded, args, bar)
     from spectrain.decoding import DecodeStats
 
@@ -430,6 +453,7 @@ def main(args) -> int:
             for ps in sets:
                 cell = cells[(d, cfg.label, ps.name)]
                 cell["prompt_stats"], cell["stats"] = cell["stats"], DecodeStats.merge(cell["stats"])
+                cell["prompt_ids"] = [prompt_id(ids) for ids in encoded[ps.name]]  # `spectrain compare` pairs by these
                 records.append(report.make_record(d, cfg, ps, cell, baselines[(cfg.temperature, ps.name)],
                                                   args.cost_ratio))
     meta = report.run_metadata(args, target_name, target, sets, baselines)
@@ -439,12 +463,16 @@ def main(args) -> int:
     sweep = batch_sweep(target, drafters, plan, encoded, args) if getattr(args, "batch_size", None) else None
     costs = _cost_curve(target, records, args, meta) if args.cost_curve else None
     with staged_dir(args.out) as tmp:  # lands whole or not at all; --force replaces, never mixes
-        paths = report.write_all(tmp, meta, records, report_to=args.report_to, wandb_project=args.wandb_project,
-                                 batch_sweep=sweep)
+        paths = report.write_all(tmp, meta, records, batch_sweep=sweep)
         if costs:
             (tmp / "cost_curve.md").write_text(costs + "\n")
             paths.append(tmp / "cost_curve.md")
     paths = [args.out / p.relative_to(tmp) for p in paths]
+    trackers = [t for t in args.report_to or [] if t != "none"]
+    if trackers:  # after the report landed: the runs are named after, and write into, the final directory
+        from spectrain.eval_tracking import log_trackers
+
+        log_trackers(args.out, meta, records, [p for p in paths if p.suffix == ".png"], trackers, args.wandb_project)
     print(report.summary_table(records, meta))
     if sweep is not None:
         print("\n".join(report.sweep_markdown(sweep)))
@@ -452,6 +480,13 @@ def main(args) -> int:
         print(costs)
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
+
+
+def prompt_id(ids: list[int]) -> str:
+    """A prompt's identity across evals: a hash of the token ids the target saw (same set, template, cut)."""
+    import hashlib
+
+    return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:12]
 
 
 def _cost_curve(target, records: list[dict], args, meta: dict) -> str:

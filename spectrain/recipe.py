@@ -161,6 +161,13 @@ class LaunchConfig:
 
 
 @dataclass
+class DeployConfig:
+    """The serving engine the head is for ("" = not said): recipe validation refuses, before any training, a
+    drafter that engine cannot compute (spectrain/serving.py engine_problems)."""
+    engine: Literal["", "vllm", "sglang", "trtllm"] = ""
+
+
+@dataclass
 class Recipe:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -168,6 +175,7 @@ class Recipe:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)
     output_dir: str = "runs/tiny-eagle3"
 
     def to_dict(self) -> dict[str, Any]:
@@ -340,7 +348,18 @@ def validate(r: Recipe) -> Recipe:
     _require("none" not in rt or len(rt) == 1, "tracking.report_to: 'none' cannot be combined with other trackers")
     _require(len(r.output_dir) > 0, "output_dir is empty")
     _require(r.launch.nproc >= 0, f"launch.nproc={r.launch.nproc} must be >= 0 (0 or 1 = one process)")
+    _check_deploy(r)
     return r
+
+
+def _check_deploy(r: Recipe) -> None:
+    from spectrain.serving import ENGINE_NAMES, engine_problems
+
+    e, kind = r.drafter.eagle3, r.drafter.kind
+    flags = {k: getattr(e, k) for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")}
+    bad = engine_problems(r.deploy.engine, kind, flags, e.sliding_window > 0, e.num_layers, e.aux_layers)
+    _require(not bad, f"deploy.engine={r.deploy.engine}: {ENGINE_NAMES.get(r.deploy.engine)} cannot serve this "
+             f"{kind} drafter: {'; '.join(bad)}. Change the drafter.{kind} keys named, or deploy.engine")
 
 
 # ---- overrides and loading -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -21,11 +22,14 @@ CONVENTIONS = {
                "(all earlier positions accepted), the fraction accepted",
     "tau": "tokens emitted per target forward pass, INCLUDING the bonus/corrected token (plain decoding = 1)",
     "acceptance_rate": "vLLM style: accepted draft tokens / drafted tokens",
-    "measured_speedup": "speculative tokens/s divided by plain-target tokens/s, same prompts, same run",
+    "measured_speedup": "speculative tokens/s divided by plain-target tokens/s, same prompts, same run, the two "
+                        "alternating prompt by prompt; with --repeats N the median over the N interleaved repeats "
+                        "of that ratio (tok/s: tokens / the median repeat's seconds); above tau it is flagged",
     "predicted_speedup": "tau / (1 + k*c), c = one draft step's cost relative to one target pass "
                          "(k = tree depth for trees)",
-    "95% intervals": "[lo, hi] after tau and alpha_i: percentile bootstrap over prompts (prompts resampled "
-                     "with replacement, the ratio of sums recomputed)",
+    "95% intervals": "[lo, hi] after tau: percentile bootstrap over prompts (prompts resampled with replacement, "
+                     "the ratio of sums recomputed); after alpha_i: Wilson score interval of the pooled accepts / "
+                     "verifications (it does not collapse at 0 or 1 as the bootstrap does)",
     "target loops": "target tokens = the plain target's mean output length on the set; rep-4g = share of its "
                     "output 4-grams that repeat an earlier 4-gram of the same output; LOOPS flags sets where "
                     f"rep-4g >= {stats.LOOP_FLAG} (a looping target inflates every drafter's acceptance)",
@@ -78,14 +82,24 @@ def make_record(drafter: str, cfg, ps, res: dict, base: dict, cost_ratio: float 
         "c_measured": measured_c,
         "predicted_speedup": None if tau is None or c is None else tau / (1 + cfg.k * c),
     }
-    per = res.get("prompt_stats")  # per-prompt counters -> 95% bootstrap intervals over prompts
+    per = res.get("prompt_stats")  # per-prompt counters -> 95% intervals (spectrain/stats.py)
     if per:
         rec.update(stats.decode_intervals([len(o) for o in res["outputs"]], [int(p.target_passes) for p in per],
                                           [p.accepts for p in per], [p.attempts for p in per],
                                           [int(getattr(p, "drafted", 0) or 0) for p in per], cfg.k))
+        if res.get("prompt_ids"):
+            rec["per_prompt"]["ids"] = res["prompt_ids"]
     rec.update(stats.loop_stats(base["outputs"]))  # the target's own outputs on this set, same T
     rec["measured_speedup"] = (None if not rec["baseline_tokens_per_s"] or rec["tokens_per_s"] is None
                                else rec["tokens_per_s"] / rec["baseline_tokens_per_s"])
+    paired = _paired_speedups(res, base)
+    if len(paired) > 1:  # --repeats: each repeat's speculative vs plain time, the median of those ratios
+        rec["measured_speedup_repeats"], rec["measured_speedup"] = paired, float(statistics.median(paired))
+    # A pass emits tau tokens and costs at least one plain pass: a measured speedup above tau is timing noise.
+    rec["speedup_above_tau"] = bool(rec["measured_speedup"] is not None and tau is not None
+                                    and rec["measured_speedup"] > tau)
+    if rec["speedup_above_tau"]:
+        print(f"WARNING: {flag_line(rec)}", file=sys.stderr)
     if cfg.temperature == 0:
         # Greedy speculative decoding must reproduce plain greedy decoding token for token.
         same = sum(a == b for a, b in zip(res["outputs"], base["outputs"]))
@@ -94,6 +108,14 @@ def make_record(drafter: str, cfg, ps, res: dict, base: dict, cost_ratio: float 
             print(f"WARNING: {drafter} {cfg.label} {ps.name}: only {same}/{len(res['outputs'])} greedy outputs "
                   "equal plain greedy decoding (lossless decoding should give all)", file=sys.stderr)
     return rec
+
+
+def _paired_speedups(res: dict, base: dict) -> list[float]:
+    """Per repeat: (spec tokens / spec seconds) / (plain tokens / plain seconds), both timed in that repeat."""
+    rs, bs = res.get("rep_seconds") or [], base.get("rep_seconds") or []
+    if len(rs) != len(bs) or not res["tokens"] or not base["tokens"]:
+        return []
+    return [(res["tokens"] / r) / (base["tokens"] / b) for r, b in zip(rs, bs) if r > 0 and b > 0]
 
 
 def _git_sha() -> str | None:
@@ -117,7 +139,7 @@ def run_metadata(args, target_name: str, target, sets, baselines: dict) -> dict:
         "target_parameters": sum(p.numel() for p in target.model.parameters()),
         "drafters": args.drafter, "k": args.k, "trees": args.tree, "temperatures": args.temperature,
         "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
-        "n_per_set": args.n, "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
+        "n_per_set": args.n, "repeats": getattr(args, "repeats", 1), "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
         "prompt_sets": [{"name": ps.name, "split": ps.split, "source": ps.source, "n_prompts": ps.n_used, "n_candidates": len(ps.prompts),
                          "skipped": dict(ps.skipped), "n_truncated": ps.truncated,
                          "malformed_lines": ps.bad_lines[:50]} for ps in sets],
@@ -148,6 +170,22 @@ def _ci(x, ci, nd: int = 2) -> str:
     return f"{x:.{nd}f} [{ci[0]:.{nd}f}, {ci[1]:.{nd}f}]"
 
 
+def flag_line(r: dict) -> str:
+    return (f"{r['drafter']} {r['config']} {r['prompt_set']}: measured speedup {r['measured_speedup']:.2f}x exceeds "
+            f"tau {r['tau']:.2f}, which no speculative decoder reaches (a pass emits tau tokens and costs at least "
+            "one plain pass): the timing is noise (a plain run at a slow moment); rerun with --repeats 3 (interleaved, "
+            "median) or on a quiet machine")
+
+
+def flags(records: list[dict]) -> list[str]:
+    """One line per record whose numbers cannot be right as measured."""
+    return [f"FLAG: {flag_line(r)}" for r in records if r.get("speedup_above_tau")]
+
+
+def _speedup(r: dict) -> str:
+    return f"{_f(r['measured_speedup'])}x{' > tau!' if r.get('speedup_above_tau') else ''}"
+
+
 def _loops(r: dict) -> str:
     share = r.get("target_repeated_4gram_share")
     return "-" if share is None else f"{_pct(share)}{' LOOPS' if r.get('target_loops_dominate') else ''}"
@@ -173,9 +211,10 @@ def summary_table(records: list[dict], meta: dict) -> str:
             f"| {r['drafter']} | {r['config']} | {r['prompt_set']} | {r['split']} | {r['n_prompts']} "
             f"({r['n_skipped']}) | {r['emitted_tokens']} | {alphas} | {_ci(r['tau'], r.get('tau_ci'))} "
             f"| {_f(r['acceptance_rate'])} "
-            f"| {_pct(r['draft_coverage'])} | {_f(r['tokens_per_s'], 1)} | {_f(r['baseline_tokens_per_s'], 1)} | {_f(r['measured_speedup'])}x "
+            f"| {_pct(r['draft_coverage'])} | {_f(r['tokens_per_s'], 1)} | {_f(r['baseline_tokens_per_s'], 1)} | {_speedup(r)} "
             f"| {_f(r['c'], 3)} | {_f(r['predicted_speedup'])}x | {_f(r.get('target_mean_tokens'), 1)} | {_loops(r)} |")
-    return "\n".join(lines)
+    warn = flags(records)
+    return "\n".join(lines + ([""] + warn if warn else []))
 
 
 def write_markdown(path: Path, meta: dict, records: list[dict], plots: list[Path]) -> None:
@@ -189,7 +228,7 @@ def write_markdown(path: Path, meta: dict, records: list[dict], plots: list[Path
     md += [f"- **c** here: {c_note}",
            "- **drafted passes**: target passes on which the drafter proposed >= 1 token; tau = 1 + accepted "
            "tokens / passes, so passes without a draft pull tau below 1 + sum_i prod_j<=i alpha_j", "", "## Results", "", summary_table(records, meta), "",
-           "### 95% intervals (bootstrap over prompts)", "", interval_table(records), ""]
+           "### 95% intervals (tau: bootstrap over prompts; alpha_i: Wilson)", "", interval_table(records), ""]
     greedy = [r for r in records if "greedy_identical_to_plain" in r]
     if greedy:
         md += ["Greedy losslessness check (speculative output == plain greedy output, per prompt): "
@@ -215,6 +254,24 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.=-]+", "_", text).strip("_")[:80]
 
 
+def plot_labels(specs) -> dict[str, str]:
+    """A short label per drafter spec that is unique among them: its last two path parts ("runA/best", not
+    "best"), more where two still collide, the whole spec at most ("ngram" stays "ngram")."""
+    specs = list(dict.fromkeys(specs))
+
+    def tail(spec: str, n: int) -> str:
+        parts = Path(spec).parts
+        return "/".join(parts[-n:]) if parts else spec
+
+    out = {}
+    for spec in specs:
+        n = 2
+        while n < len(Path(spec).parts) and sum(tail(o, n) == tail(spec, n) for o in specs) > 1:
+            n += 1
+        out[spec] = tail(spec, n) if sum(tail(o, n) == tail(spec, n) for o in specs) == 1 else spec
+    return out
+
+
 def _groups(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
     out: dict[tuple[str, str], list[dict]] = {}
     for r in records:
@@ -238,7 +295,7 @@ def plot_acceptance(out_dir: Path, records: list[dict], target: str) -> list[Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
+    paths, labels = [], plot_labels(r["drafter"] for r in records)
     for (drafter, config), recs in _groups(records).items():
         fig, ax = plt.subplots(figsize=(9.5, 4.2), dpi=120)
         colors = plt.get_cmap("tab10")
@@ -253,10 +310,10 @@ def plot_acceptance(out_dir: Path, records: list[dict], target: str) -> list[Pat
                     r["split"] == "held-out" else 1.5, label=f"{r['prompt_set']} [{r['split']}] tau={_ci(r['tau'], r.get('tau_ci'))}, "
                     f"n_i={'/'.join(map(str, r['attempts']))}")
         ax.set(xlabel="draft position i", ylabel="alpha_i (conditional acceptance)", ylim=(-0.02, 1.05),
-               xticks=range(1, kmax + 1), title=f"{Path(drafter).name or drafter} · {config}\ntarget {target}")
+               xticks=range(1, kmax + 1), title=f"{labels[drafter]} · {config}\ntarget {target}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), title="solid: held-out, dashed: OOD; n_i = times position i was verified;\n"
-                  "error bars: 95% bootstrap intervals over prompts",
+                  "error bars: 95% Wilson intervals of alpha_i (pooled counts)",
                   title_fontsize=7)
         fig.tight_layout()
         p = out_dir / f"acceptance_{_slug(drafter)}_{_slug(config)}.png"
@@ -294,7 +351,8 @@ def plot_tau(out_dir: Path, records: list[dict], target: str) -> Path:
     ax.axhline(1.0, color="gray", ls=":", lw=1)
     ax.set_xticks(range(len(sets)), sets, rotation=30, ha="right", fontsize=8)
     ax.set(ylabel="tau (tokens per target pass, incl. bonus)", title=f"tau per prompt set · target {target}")
-    handles = [Patch(color=colors(g % 10), label=f"{Path(d).name or d} · {c}") for g, (d, c) in enumerate(groups)]
+    labels = plot_labels(d for d, _ in groups)
+    handles = [Patch(color=colors(g % 10), label=f"{labels[d]} · {c}") for g, (d, c) in enumerate(groups)]
     handles += [Patch(facecolor="white", edgecolor="black", label="held-out (solid fill)"),
                 Patch(facecolor="white", edgecolor="black", hatch="//", label="OOD (hatched)"),
                 Line2D([], [], color="gray", ls=":", label="plain decoding (tau = 1)")]
@@ -354,11 +412,12 @@ def plot_batch_sweep(out_dir: Path, sw: dict, target: str) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4), dpi=120)
     colors = plt.get_cmap("tab10")
     keys = list(dict.fromkeys((c["drafter"], c["config"]) for c in sw["cells"]))
+    labels = plot_labels(k[0] for k in keys)
     plain_done = set()
     for i, key in enumerate(keys):
         cs = [c for c in sw["cells"] if (c["drafter"], c["config"]) == key]
         bs, ls = [c["batch_size"] for c in cs], "--" if cs[0]["tree"] else "-"
-        name = f"{'/'.join(Path(key[0]).parts[-2:]) or key[0]} · {key[1]}"
+        name = f"{labels[key[0]]} · {key[1]}"
         axes[0].plot(bs, [c["tokens_per_s"] for c in cs], ls=ls, marker="o", color=colors(i % 10), label=name)
         if cs[0]["temperature"] not in plain_done:
             plain_done.add(cs[0]["temperature"])

@@ -1,4 +1,5 @@
-"""Statistics for eval reports: 95% bootstrap intervals over prompts, and how much the target loops.
+"""Statistics for eval reports: 95% intervals (bootstrap over prompts for tau, Wilson for alpha_i), and how much
+the target loops.
 
 Pure functions on plain numbers (no models), used by spectrain.report.
 
@@ -7,6 +8,11 @@ Pure functions on plain numbers (no models), used by spectrain.report.
   n prompts with replacement and recomputes the same ratio; the interval is the 2.5th and 97.5th
   percentile of the replicates (fixed seed: a report is reproducible). With few prompts or a position
   that was rarely verified the interval is wide, which is the point.
+- alpha_i is a proportion (accepts of verifications at position i), so its interval is the Wilson score
+  interval of the pooled counts (``wilson_ci``): the percentile bootstrap collapses to [0, 0] or [1, 1]
+  when every verification of a position failed or succeeded (a position verified once with 0 accepts
+  showed ``0.00 [0.00, 0.00]``), Wilson gives [0, 0.79] there. It treats verifications as independent,
+  so where prompts differ a lot it is narrower than a bootstrap over prompts would be.
 - Paired differences: two drafters decoded on the same prompts differ by a per-prompt amount;
   resampling prompts jointly (``paired_diff_ci``) gives a much tighter interval for the difference
   than comparing the two marginal intervals.
@@ -54,6 +60,20 @@ def ratio_ci(num, den, n_boot: int = N_BOOT, level: float = LEVEL, seed: int = 0
     return [lo[0], hi[0]] if num.ndim == 1 else [[a, b] for a, b in zip(lo, hi)]
 
 
+def wilson_ci(successes, trials, level: float = LEVEL) -> list[float | None]:
+    """Wilson score interval [lo, hi] of successes / trials ([None, None] when trials == 0)."""
+    from statistics import NormalDist
+
+    n, k = float(trials), float(successes)
+    if n <= 0:
+        return [None, None]
+    z = NormalDist().inv_cdf(0.5 + level / 2)
+    p = k / n
+    centre, half = p + z * z / (2 * n), z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    den = 1 + z * z / n
+    return [max(0.0, float((centre - half) / den)), min(1.0, float((centre + half) / den))]
+
+
 def paired_diff_ci(num_a, den_a, num_b, den_b, n_boot: int = N_BOOT, level: float = LEVEL, seed: int = 0):
     """(point, [lo, hi]) of sum(num_a)/sum(den_a) - sum(num_b)/sum(den_b), prompts resampled jointly."""
     a = [np.asarray(x, dtype=float) for x in (num_a, den_a, num_b, den_b)]
@@ -69,16 +89,18 @@ def paired_diff_ci(num_a, den_a, num_b, den_b, n_boot: int = N_BOOT, level: floa
 
 def decode_intervals(tokens: list[int], passes: list[int], accepts: list[list[int]], attempts: list[list[int]],
                      drafted: list[int], k: int = 0) -> dict:
-    """Per-prompt counters of one (drafter, config, prompt set) cell -> 95% intervals of tau, every
-    alpha_i (i = 1..max(k, longest record)) and the acceptance rate, plus the per-prompt tau counters
-    for paired comparisons."""
+    """Per-prompt counters of one (drafter, config, prompt set) cell -> 95% intervals of tau (bootstrap), every
+    alpha_i (i = 1..max(k, longest record); Wilson on the pooled counts) and the acceptance rate (bootstrap),
+    plus the per-prompt tau counters for paired comparisons."""
     k = max(k, *(len(a) for a in attempts)) if attempts else k
     acc = np.array([list(a) + [0] * (k - len(a)) for a in accepts], dtype=float).reshape(len(accepts), k)
     att = np.array([list(a) + [0] * (k - len(a)) for a in attempts], dtype=float).reshape(len(attempts), k)
-    return {"tau_ci": ratio_ci(tokens, passes), "alpha_ci": ratio_ci(acc, att) if k else [],
+    return {"tau_ci": ratio_ci(tokens, passes),
+            "alpha_ci": [wilson_ci(a, n) for a, n in zip(acc.sum(0), att.sum(0))] if k else [],
             "acceptance_rate_ci": ratio_ci(acc.sum(1), drafted),
             "per_prompt": {"tokens": list(map(int, tokens)), "passes": list(map(int, passes))},
-            "ci_level": LEVEL, "ci_method": f"percentile bootstrap over prompts, {N_BOOT} replicates, seed 0"}
+            "ci_level": LEVEL, "ci_method": f"tau, acceptance rate: percentile bootstrap over prompts, {N_BOOT} "
+                                            "replicates, seed 0; alpha_i: Wilson score interval of the pooled counts"}
 
 
 def repeated_ngram_share(tokens: list[int], n: int = 4) -> tuple[int, int]:

@@ -5,6 +5,8 @@
   ``train/tokens_per_s``, and the held-out pass ``eval/loss``, ``eval/acc_i``, ``eval/sim_tau_proxy``.
   The x axis is ``train/step`` (wandb ``define_metric``), so a resumed run that redoes a few steps
   after its last checkpoint adds points instead of being dropped by wandb's monotonic step.
+  ``eval/sim_tau_proxy`` is summarised by its maximum (``summary="max"``): the runs table shows each
+  run's best held-out simulated tau, not its last.
 - Bookkeeping (epoch, held-out row count, wall time, how the run ended, world size, accumulation,
   the resolved recipe) goes into the run *config*, not the metric history.
 - The run name is the output directory's name (``tracking.run_name`` overrides it); the wandb group
@@ -24,6 +26,7 @@ from pathlib import Path
 
 LINK_FILE = "tracking.json"
 STEP_KEY = "train/step"
+BEST_KEY = "eval/sim_tau_proxy"  # summarised by its max (wandb define_metric)
 BOOKKEEPING = ("epoch", "split", "heldout_rows", "event", "wall_s", "interrupted_by", "tokens", "loss_tokens")
 _RENAME = {"sim_tau": "train/sim_tau_proxy"}
 
@@ -99,6 +102,8 @@ def init_trackers(accelerator, recipe, extra: dict, resumed: bool) -> None:
             run.define_metric(STEP_KEY)
             for ns in ("train/*", "eval/*"):
                 run.define_metric(ns, step_metric=STEP_KEY)
+            # the runs table's column is the best held-out sim tau of the run, not the last
+            run.define_metric(BEST_KEY, step_metric=STEP_KEY, summary="max")
         elif tracker.name == "tensorboard":
             link["tensorboard_dir"] = str(Path(tracker.logging_dir).resolve())
     _write_link(out, link)

@@ -32,6 +32,17 @@ def test_alpha_columns_with_a_position_never_verified():
     assert out["tau_ci"][0] <= 24 / 13 <= out["tau_ci"][1] and out["ci_level"] == 0.95
 
 
+def test_wilson_alpha_intervals_do_not_collapse_at_0_and_1():
+    assert stats.wilson_ci(0, 1) == [0.0, pytest.approx(0.7935, abs=1e-4)]  # bootstrap: [0, 0]
+    lo, hi = stats.wilson_ci(10, 10)
+    assert hi == 1.0 and lo == pytest.approx(0.7225, abs=1e-4)
+    lo, hi = stats.wilson_ci(50, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-4) and hi == pytest.approx(0.5962, abs=1e-4)
+    assert stats.wilson_ci(0, 0) == [None, None]
+    out = stats.decode_intervals([3], [2], [[0]], [[1]], [1], k=1)  # one verification, rejected
+    assert out["alpha_ci"][0][0] == 0.0 and out["alpha_ci"][0][1] > 0.7 and "Wilson" in out["ci_method"]
+
+
 def test_paired_difference_is_tighter_than_the_marginals():
     passes = [10, 10, 10, 10, 10, 10, 10, 10]
     a = [12, 30, 15, 25, 11, 28, 14, 26]  # prompts differ a lot ...
@@ -72,3 +83,24 @@ def test_record_carries_intervals_and_loop_columns():
     row = summary_table([r], {}).splitlines()[2]
     assert f"{r['tau']:.2f} [{r['tau_ci'][0]:.2f}, {r['tau_ci'][1]:.2f}]" in row and "62% LOOPS" in row
     assert "0.60 [" in interval_table([r])
+
+
+def test_speedup_above_tau_is_flagged_and_plot_labels_are_unique(capsys):
+    from spectrain.decoding import DecodeStats
+    from spectrain.evaluate import DecodeConfig, PromptSet
+    from spectrain.report import make_record, plot_labels, summary_table
+
+    per = [DecodeStats(k=2, attempts=[4, 2], accepts=[2, 1], drafted=8, target_passes=4, emitted=7)]
+    res = {"stats": DecodeStats.merge(per), "prompt_stats": per, "tokens": 7, "seconds": 1.0, "outputs": [[1] * 7]}
+    slow_plain = {"tokens": 7, "seconds": 3.0, "outputs": [[1] * 7]}  # tau 1.75, speedup 3x: impossible
+    r = make_record("runs/a/best", DecodeConfig(2, None, 0.0), PromptSet("p", "OOD", [[]], "t"), res, slow_plain,
+                    None)
+    assert r["speedup_above_tau"] is True and "exceeds tau 1.75" in capsys.readouterr().err
+    table = summary_table([r], {})
+    assert "3.00x > tau!" in table and "FLAG: runs/a/best k=2 T=0 p: measured speedup 3.00x" in table
+    fair = make_record("d", DecodeConfig(2, None, 0.0), PromptSet("p", "OOD", [[]], "t"), res,
+                       {**slow_plain, "seconds": 1.5}, None)
+    assert fair["speedup_above_tau"] is False and "FLAG" not in summary_table([fair], {})
+    labels = plot_labels(["runs/a/best", "runs/b/best", "ngram", "x/a/best", "y/a/best"])
+    assert labels["runs/b/best"] == "b/best" and labels["ngram"] == "ngram"
+    assert len(set(labels.values())) == 5 and labels["x/a/best"] == "x/a/best"

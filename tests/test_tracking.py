@@ -51,12 +51,12 @@ def _records():
 
 def test_eval_scalar_keys(tmp_path):
     recs = _records()
-    assert cell_key(recs[0]) == "ngram/k3_T0/heldout/heldout"
-    assert cell_key(recs[1]) == "ngram/tree4x3x8_T1/ood/spec_bench-rag"
+    assert cell_key(recs[0]) == "k3_T0/heldout/heldout"  # no drafter in the key: it is the run's attribute
+    assert cell_key(recs[1]) == "tree4x3x8_T1/ood/spec_bench-rag"
     s = scalars(recs)
-    assert s["tau/ngram/k3_T0/heldout/heldout"] == 1.8 and s["alpha_2/ngram/k3_T0/heldout/heldout"] == 0.4
-    assert "alpha_3/ngram/k3_T0/heldout/heldout" not in s  # never verified: no made-up zero
-    assert s["predicted_speedup/ngram/tree4x3x8_T1/ood/spec_bench-rag"] == 1.5
+    assert s["tau/k3_T0/heldout/heldout"] == 1.8 and s["alpha_2/k3_T0/heldout/heldout"] == 0.4
+    assert "alpha_3/k3_T0/heldout/heldout" not in s  # never verified: no made-up zero
+    assert s["predicted_speedup/tree4x3x8_T1/ood/spec_bench-rag"] == 1.5
     run = tmp_path / "my-run"
     (run / "best").mkdir(parents=True)
     (run / "run_info.json").write_text("{}")
@@ -68,7 +68,7 @@ def _read_finished(run_dir, wait_s: float = 30.0):
     deadline = time.monotonic() + wait_s
     while True:
         rec = read_run(run_dir)
-        if rec["id"] is not None or time.monotonic() > deadline:
+        if (rec["id"] is not None and rec["history"]) or time.monotonic() > deadline:
             return rec
         time.sleep(0.5)
 
@@ -99,6 +99,8 @@ def test_training_wandb_namespaces_config_and_resume(tmp_path, fake, offline_wan
     keys = set().union(*hist)
     assert {"train/loss", "train/acc_0", "train/lr", "train/tokens_per_s", "train/sim_tau_proxy", "train/step",
             "eval/sim_tau_proxy", "eval/acc_0", "eval/loss"} <= keys
+    best = a["metrics"]["eval/sim_tau_proxy"]  # the runs table shows the best held-out sim tau, not the last
+    assert best["summary"] == ["max"] and best["step_metric"] == "train/step"
     assert not keys & {"epoch", "heldout_rows", "wall_s", "loss", "tokens", "loss_tokens", "run/epoch"}
     assert sorted({h["train/step"] for h in hist if "train/loss" in h}) == list(range(1, 7))
     assert b["config"]["run/heldout_rows"] == 4 and b["config"]["run/wall_s"] > 0
@@ -116,7 +118,8 @@ def test_training_wandb_namespaces_config_and_resume(tmp_path, fake, offline_wan
     assert [e.step for e in tb.Scalars("train/loss")] == [1, 2, 3] and "epoch" not in tb.Tags()["scalars"]
 
 
-def test_eval_wandb_scalars_join_the_training_group(workdir, tmp_path, offline_wandb, monkeypatch):  # noqa: F811
+def test_eval_wandb_scalars_join_the_training_group(workdir, tmp_path, offline_wandb, monkeypatch,  # noqa: F811
+                                                    capsys):
     run = tmp_path / "runs" / "tiny-x"
     run.mkdir(parents=True)
     (run / "tracking.json").write_text(json.dumps({"project": "proj-x", "name": "tiny-x", "group": "tiny-x"}))
@@ -127,15 +130,16 @@ def test_eval_wandb_scalars_join_the_training_group(workdir, tmp_path, offline_w
     from spectrain import eval_tracking
 
     (run / "best").mkdir()
-    link, where = eval_tracking.run_link({"drafters": ["ngram", str(run / "best")]})
-    assert link["group"] == "tiny-x" and where == run
+    link, where = eval_tracking.drafter_link(str(run / "best"))
+    assert link["group"] == "tiny-x" and where == run and eval_tracking.drafter_link("ngram") == (None, None)
     # decode with n-gram, linked as if it were the run's checkpoint (no trained head needed)
-    monkeypatch.setattr(eval_tracking, "run_link", lambda meta: (link, run))
+    monkeypatch.setattr(eval_tracking, "drafter_link", lambda spec: (link, run))
     assert cli_main(argv) == 0
     report = json.loads((run / "eval" / "report.json").read_text())
     (wb,) = (run / "eval" / "wandb").glob("offline-run-*")
-    got = read_run(wb)
+    got = _read_finished(wb)
     assert got["group"] == "tiny-x" and got["config"]["prompt_set_splits"] == {"heldout": "held-out", "ood": "OOD"}
+    assert got["name"] == "eval" and got["config"]["drafter"] == "ngram"  # the final --out's name, not .tmp-...
     logged = got["history"][0]
     for r in report["records"]:
         cell = cell_key(r)
@@ -144,14 +148,41 @@ def test_eval_wandb_scalars_join_the_training_group(workdir, tmp_path, offline_w
             assert logged[f"{m}/{cell}"] == pytest.approx(r[m])
         for i, a in enumerate(r["alpha"], 1):
             assert (f"alpha_{i}/{cell}" in logged) == (a is not None)
-    assert "tau/ngram/k3_T0/heldout/heldout" in logged and "tau/ngram/k3_T0/ood/ood" in logged
-    assert any(k.startswith("acceptance/ngram/k3_T0") for k in logged) and any(k.startswith("report") for k in logged)
+    assert "tau/k3_T0/heldout/heldout" in logged and "tau/k3_T0/ood/ood" in logged
+    assert any(k.startswith("acceptance/k3_T0") for k in logged) and any(k.startswith("report") for k in logged)
+    assert {"plots/acceptance_k=3_T=0/path", "plots/tau/path"} <= set(logged)  # no drafter in plot keys either
     # tensorboard: the same scalars, and the per-position curve
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(run / "eval" / "tensorboard"))
+    acc = EventAccumulator(str(run / "eval" / "tensorboard" / "ngram"))  # one TensorBoard run per drafter
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {f"tau/{cell_key(r)}" for r in report["records"]} <= tags
-    assert acc.Scalars("tau/ngram/k3_T0/heldout/heldout")[0].value == pytest.approx(report["records"][0]["tau"])
-    assert list((run / "eval" / "tensorboard").glob("acceptance_ngram_k3_T0_*"))  # add_scalars: a dir per line
+    assert acc.Scalars("tau/k3_T0/heldout/heldout")[0].value == pytest.approx(report["records"][0]["tau"])
+    assert list((run / "eval" / "tensorboard" / "ngram").glob("acceptance_k3_T0_*"))  # add_scalars: a dir per line
+    out = capsys.readouterr().out
+    assert f"wandb sync {wb}" in out and f"tensorboard --logdir {run / 'eval' / 'tensorboard'}" in out
+    assert ".tmp-" not in out
+
+
+def test_two_evals_of_two_drafters_share_every_wandb_key(workdir, tmp_path, offline_wandb):  # noqa: F811
+    """The same cells of two drafters evaluated separately land on the same keys (so they overlay in one
+    chart); each run is named after its eval's output directory and carries its drafter in the config."""
+    common = ["eval", "--recipe", str(workdir / "recipe.yaml"), "--prompts", "heldout", "--n", "1",
+              "--max-new-tokens", "6", "--k", "2", "--temperature", "0", "--report-to", "wandb"]
+    got = {}
+    for drafter, out in (("ngram", tmp_path / "eval-a"), (str(workdir / "target"), tmp_path / "eval-b")):
+        assert cli_main([*common, "--drafter", drafter, "--out", str(out)]) == 0
+        (wb,) = (out / "wandb").glob("offline-run-*")
+        got[out.name] = _read_finished(wb)
+    a, b = got["eval-a"], got["eval-b"]
+    assert (a["name"], b["name"]) == ("eval-a", "eval-b")
+    assert a["config"]["drafter"] == "ngram" and b["config"]["drafter"] == "target"
+    keys_a, keys_b = set().union(*a["history"]), set().union(*b["history"])
+    alphas = {f"alpha_{i}/k2_T0/heldout/heldout" for i in (1, 2)}  # a position never verified logs no alpha
+    assert keys_a - alphas == keys_b - alphas and "tau/k2_T0/heldout/heldout" in keys_a
+    assert "alpha_1/k2_T0/heldout/heldout" in keys_a & keys_b and (keys_a | keys_b) & alphas <= alphas
+    # and the two reports compare prompt by prompt (ids written by the eval)
+    rec_a = json.loads((tmp_path / "eval-a" / "report.json").read_text())["records"][0]
+    assert len(rec_a["per_prompt"]["ids"]) == 1
+    assert cli_main(["compare", str(tmp_path / "eval-a"), str(tmp_path / "eval-b")]) == 0

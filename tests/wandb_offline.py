@@ -44,18 +44,23 @@ def _key(item) -> str:
 
 
 def read_run(run_dir: Path) -> dict:
-    """{"id", "group", "history": [row dicts], "config": {key: value}} of one offline-run-* directory."""
+    """{"id", "group", "name", "history": [row dicts], "config": {key: value}, "metrics": {name: definition}}
+    of one offline-run-* directory."""
     (log,) = list(Path(run_dir).glob("run-*.wandb"))
-    out = {"id": None, "group": None, "history": [], "config": {}}
+    out = {"id": None, "group": None, "name": None, "history": [], "config": {}, "metrics": {}}
     for rec in records(log):
         kind = rec.WhichOneof("record_type")
         if kind == "run":
-            out["id"], out["group"] = rec.run.run_id, rec.run.run_group
+            out["id"], out["group"], out["name"] = rec.run.run_id, rec.run.run_group, rec.run.display_name
             for item in rec.run.config.update:
                 out["config"][_key(item)] = json.loads(item.value_json)
         elif kind == "config":
             for item in rec.config.update:
                 out["config"][_key(item)] = json.loads(item.value_json)
+        elif kind == "metric":  # define_metric: name (or glob) -> its step metric and summaries
+            m = rec.metric
+            out["metrics"][m.name or m.glob_name] = {"step_metric": m.step_metric,
+                                                     "summary": [f.name for f, v in m.summary.ListFields() if v]}
         elif kind == "history":
             out["history"].append({_key(i): json.loads(i.value_json) for i in rec.history.item})
     return out

@@ -12,6 +12,10 @@ serving format (``export_<fmt>(src_dir, out_dir, target_name) -> summary``) and 
 
 Every exporter writes into a temporary sibling of ``out_dir``, validates it, and only then renames it into
 place: an invalid export never lands, and ``--force`` replaces an existing directory only with a valid one.
+
+The export's README.md and the command's output give the serve command of each engine that loads the
+format, with the speculative settings of ``--k K`` / ``--tree topk=,depth=,total=`` (as ``spectrain eval``
+took them; spectrain/serving.py maps them onto each engine's flags).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spectrain.errors import writing
-from spectrain.export.common import ExportError, resolve_source
+from spectrain.export.common import FORMAT_KIND, ExportError, read_config, resolve_source
 from spectrain.export.eagle3 import (
     export_sglang_eagle3,
     export_vllm_eagle3,
@@ -33,6 +37,7 @@ from spectrain.export.eagle3 import (
 from spectrain.export.hf_draft import export_hf_draft, validate_hf_draft
 from spectrain.export.medusa import export_medusa, export_vllm_medusa, validate_medusa, validate_vllm_medusa
 from spectrain.outputs import guard_export
+from spectrain.serving import ENGINE_NAMES, ENGINES, readme_section, resolve_decode, serve_commands
 
 __all__ = ["FORMATS", "ExportError", "add_export_args", "export", "main", "resolve_source", "validate",
            "export_vllm_eagle3", "export_sglang_eagle3", "export_vllm_medusa", "export_medusa",
@@ -55,11 +60,19 @@ def _format(fmt: str) -> tuple[Callable[..., dict], Callable[..., list[str]]]:
     return FORMATS[fmt]
 
 
-def export(source, fmt: str, out, target: str | None = None, force: bool = False) -> dict:
-    """Resolve a run or checkpoint dir, export it as ``fmt`` into ``out`` (validated before it lands)."""
+def export(source, fmt: str, out, target: str | None = None, force: bool = False, k: int | None = None,
+           tree: dict | None = None, engines: tuple[str, ...] | None = None) -> dict:
+    """Resolve a run or checkpoint dir, export it as ``fmt`` into ``out`` (validated before it lands), with the
+    serve commands for a chain of ``k`` or a ``tree`` (summary["serve"], and the export's README.md)."""
     src = resolve_source(source)
+    exporter = _format(fmt)[0]
+    dest = guard_export(src, out, force)
+    head = read_config(src, FORMAT_KIND[fmt], fmt)  # a drafter of the wrong kind fails here, naming the format
+    d = resolve_decode(head, k, tree)
+    commands = serve_commands(fmt, head, str(dest), target or head.get("target") or "", d, engines)
     with writing(out, remove=False):  # names --out in a disk-full message (the staged temp dir is removed)
-        return _format(fmt)[0](src, guard_export(src, out, force), target, overwrite=force)
+        summary = exporter(src, dest, target, overwrite=force, readme=readme_section(commands, d.label))
+    return {**summary, "serve": commands, "decode": d.label}
 
 
 def validate(fmt: str, out) -> list[str]:
@@ -101,6 +114,14 @@ def add_export_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                     "drafter was trained on); a local directory also lets export check sizes")
     p.add_argument("--force", action="store_true", help="replace an existing --out once the new export validates")
     p.add_argument("--validate-only", action="store_true", help="only validate SOURCE as a --format directory")
+    p.add_argument("--k", type=int, default=None,
+                   help="draft length the serve command uses, as evaluated with `spectrain eval --k` (default: the "
+                        "head's training length: EAGLE-3 ttt_steps, Medusa num_heads; 5 for a draft model)")
+    p.add_argument("--tree", default=None, help="tree the serve command uses, as evaluated with `spectrain eval "
+                                                "--tree`, e.g. topk=4,depth=5,total=32 (overrides --k with depth)")
+    p.add_argument("--engine", action="append", choices=list(ENGINES), default=None,
+                   help="print the serve command of this engine only (default: every engine that loads --format); "
+                        "repeatable")
     return p
 
 
@@ -113,8 +134,12 @@ def main(args: argparse.Namespace) -> int:
         return 2 if problems else 0
     if not args.out:
         raise ValueError("--out DIR is required (the directory to write the export to)")
+    from spectrain.evaluate import parse_tree
+
+    tree = parse_tree(args.tree) if args.tree else None
     try:
-        summary = export(args.source, args.format, args.out, args.target, args.force)
+        summary = export(args.source, args.format, args.out, args.target, args.force, args.k, tree,
+                         tuple(args.engine or ()))
     except ExportError as e:
         print(f"spectrain export: error: the {args.format} export did not validate; nothing was written "
               f"to {args.out}:", file=sys.stderr)
@@ -129,4 +154,9 @@ def main(args: argparse.Namespace) -> int:
     if "embed_tokens_bytes" in summary:
         print(f"  includes the target's embed_tokens.weight ({summary['embed_tokens_bytes'] / 2**20:.1f} MiB) so the "
               "speculators package computes the same logits; vLLM/SGLang would share the target's anyway")
+    print(f"\nserve it ({summary['decode']}; also in {Path(summary['out']) / 'README.md'}):")
+    for cmd in summary["serve"]:
+        print(f"\n# {ENGINE_NAMES[cmd.engine]}\n{cmd.text()}")
+        for note in cmd.notes:
+            print(f"# note: {note}")
     return 0

@@ -93,12 +93,17 @@ def check_out(src: Path, out: Path, overwrite: bool) -> None:
 
 
 @contextmanager
-def staged(out: Path, fmt: str, validator: Callable[[Path], list[str]]) -> Iterator[Path]:
-    """Yield a temp dir next to ``out``; on success validate it and swap it into place."""
+def staged(out: Path, fmt: str, validator: Callable[[Path], list[str]], readme: str = "") -> Iterator[Path]:
+    """Yield a temp dir next to ``out``; on success add ``readme`` to its README.md, validate it and swap it
+    into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         yield tmp
+        if readme:  # after the exporter's own README text (sglang-eagle3: the TensorRT-LLM capture layers)
+            md = tmp / "README.md"
+            head = md.read_text() if md.is_file() else f"# {fmt} export by spectrain\n"
+            md.write_text(head.rstrip("\n") + "\n\n" + readme.rstrip("\n") + "\n")
         seal(tmp)  # SHA256SUMS of every file; files 0644 / dirs 0755 (mkdtemp made it private)
         problems = validator(tmp)
         if problems:

@@ -46,6 +46,7 @@ from spectrain.export.common import (
     target_info,
     write_json,
 )
+from spectrain.serving import engine_problems
 
 SPECULATORS_VERSION = "0.3.0"  # the speculators config layout followed here; vLLM does not read it
 
@@ -80,19 +81,11 @@ def trtllm_capture(aux: list[int], num_layers: int | None) -> tuple[list[int], l
 
 
 def _sglang_config(cfg: dict, state: dict, aux: list[int], dtype: str, n_layers: int | None):
-    flags = [k for k, on in layout(cfg).items() if on]
-    if flags:
-        raise ValueError(f"this head uses {flags}; SGLang's and TensorRT-LLM's EAGLE-3 layer implements none of the "
-                         "extra layout norms, so it would compute another function there: use --format vllm-eagle3")
-    if cfg.get("layer_types"):
-        raise ValueError("this head has sliding-window draft layers, which SGLang's EAGLE-3 layer does not apply: "
+    # the same facts `spectrain check` applies to a recipe's deploy.engine (spectrain/serving.py)
+    problems = engine_problems("sglang", "eagle3", layout(cfg), bool(cfg.get("layer_types")), cfg["num_layers"], aux)
+    if problems:
+        raise ValueError(f"sglang-eagle3 (SGLang, TensorRT-LLM) cannot represent this head: {'; '.join(problems)}: "
                          "use --format vllm-eagle3")
-    if cfg["num_layers"] != 1:
-        raise ValueError(f"sglang-eagle3 takes single-layer heads (SGLang and TensorRT-LLM name further "
-                         f"layers differently); this head has {cfg['num_layers']}: use --format vllm-eagle3")
-    if min(aux) < 1:
-        raise ValueError(f"aux layer ids {aux} include the embeddings (input of layer 0), which SGLang's "
-                         "output-of-layer ids cannot express")
     state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in state.items()}
     need, default = trtllm_capture(aux, n_layers)
     config = {**_layer_fields(cfg), "architectures": ["LlamaForCausalLMEagle3"],
@@ -142,7 +135,7 @@ def _with_embedding(state: dict, cfg: dict, target: str, dtype: str) -> tuple[di
     return {**state, "embed_tokens.weight": emb.to(getattr(torch, dtype))}, notes
 
 
-def _export_eagle3(fmt: str, src_dir, out_dir, target_name: str | None, overwrite: bool) -> dict:
+def _export_eagle3(fmt: str, src_dir, out_dir, target_name: str | None, overwrite: bool, readme: str = "") -> dict:
     src, out = Path(src_dir), Path(out_dir)
     cfg, state, warnings = _read_sorted(src, fmt)
     check_out(src, out, overwrite)
@@ -166,7 +159,7 @@ def _export_eagle3(fmt: str, src_dir, out_dir, target_name: str | None, overwrit
         warnings += more
         if "embed_tokens.weight" in state:
             extra = {"embed_tokens_bytes": state["embed_tokens.weight"].numel() * state["embed_tokens.weight"].element_size()}
-    with staged(out, fmt, FORMAT_VALIDATORS[fmt]) as tmp:
+    with staged(out, fmt, FORMAT_VALIDATORS[fmt], readme) as tmp:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
         if fmt == "sglang-eagle3":
@@ -175,12 +168,14 @@ def _export_eagle3(fmt: str, src_dir, out_dir, target_name: str | None, overwrit
     return summary(fmt, src, out, target, warnings, {"aux_layer_ids_written": written, "tensors": len(state), **extra})
 
 
-def export_vllm_eagle3(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False) -> dict:
-    return _export_eagle3("vllm-eagle3", src_dir, out_dir, target_name, overwrite)
+def export_vllm_eagle3(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False,
+                      readme: str = "") -> dict:
+    return _export_eagle3("vllm-eagle3", src_dir, out_dir, target_name, overwrite, readme)
 
 
-def export_sglang_eagle3(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False) -> dict:
-    return _export_eagle3("sglang-eagle3", src_dir, out_dir, target_name, overwrite)
+def export_sglang_eagle3(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False,
+                      readme: str = "") -> dict:
+    return _export_eagle3("sglang-eagle3", src_dir, out_dir, target_name, overwrite, readme)
 
 
 def _eagle3_spec(d: dict, layer: Callable[[int], str]) -> Spec:

@@ -30,7 +30,8 @@ HF_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.saf
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def export_hf_draft(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False) -> dict:
+def export_hf_draft(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False,
+                    readme: str = "") -> dict:
     src, out = Path(src_dir), Path(out_dir)
     cfg = read_config(src, "draft", "hf-draft")
     check_out(src, out, overwrite)
@@ -46,7 +47,7 @@ def export_hf_draft(src_dir, out_dir, target_name: str | None = None, *, overwri
         warnings.append(f"no tokenizer in {src}; " + (f"copied the target's from {tdir}" if extra else "none found"))
     elif target and Path(target).is_dir():
         _check_same_vocab(src, Path(target))
-    with staged(out, "hf-draft", validate_hf_draft) as tmp:
+    with staged(out, "hf-draft", validate_hf_draft, readme) as tmp:
         for f in files:
             shutil.copy2(f, tmp / f.name)
         _both_rope_styles(tmp / "config.json")

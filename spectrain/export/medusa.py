@@ -55,7 +55,7 @@ def _medusa_spec(k: int, n: int, h: int, v: int, names: tuple[str, str, str], bi
     return spec
 
 
-def _export_medusa(fmt: str, src_dir, out_dir, target_name: str | None, overwrite: bool) -> dict:
+def _export_medusa(fmt: str, src_dir, out_dir, target_name: str | None, overwrite: bool, readme: str = "") -> dict:
     src, out = Path(src_dir), Path(out_dir)
     cfg, state = read_head(src, "medusa", fmt)
     check_out(src, out, overwrite)
@@ -78,7 +78,7 @@ def _export_medusa(fmt: str, src_dir, out_dir, target_name: str | None, overwrit
                            "base_model_name_or_path": target, "torch_dtype": dtype_name(state)}, WEIGHTS_NAME
     if fmt == "medusa":
         warnings += fasterdecoding_warnings(k, n)
-    with staged(out, fmt, validate_medusa if fmt == "medusa" else validate_vllm_medusa) as tmp:
+    with staged(out, fmt, validate_medusa if fmt == "medusa" else validate_vllm_medusa, readme) as tmp:
         save_file(tensors, str(tmp / weights), metadata={"format": "pt"})
         if fmt == "medusa":
             torch.save(tensors, tmp / MEDUSA_PT)
@@ -103,12 +103,14 @@ def fasterdecoding_warnings(k: int, n: int) -> list[str]:
     return out
 
 
-def export_vllm_medusa(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False) -> dict:
-    return _export_medusa("vllm-medusa", src_dir, out_dir, target_name, overwrite)
+def export_vllm_medusa(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False,
+                       readme: str = "") -> dict:
+    return _export_medusa("vllm-medusa", src_dir, out_dir, target_name, overwrite, readme)
 
 
-def export_medusa(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False) -> dict:
-    return _export_medusa("medusa", src_dir, out_dir, target_name, overwrite)
+def export_medusa(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False,
+                  readme: str = "") -> dict:
+    return _export_medusa("medusa", src_dir, out_dir, target_name, overwrite, readme)
 
 
 def validate_vllm_medusa(out_dir) -> list[str]:
