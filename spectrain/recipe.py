@@ -28,7 +28,7 @@ from typing import Any, Literal
 import yaml
 
 DrafterKind = Literal["eagle3", "medusa", "draft", "ngram"]
-LossName = Literal["fkl", "rkl", "jsd", "tvd", "soft_ce", "hard_ce"]
+LossName = Literal["fkl", "rkl", "jsd", "tvd", "accept", "lk", "soft_ce", "hard_ce"]
 DEVICE_MAPS = ("", "auto", "balanced", "balanced_low_0", "sequential")
 Tracker = Literal["none", "jsonl", "wandb", "tensorboard"]
 

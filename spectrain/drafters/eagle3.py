@@ -372,6 +372,7 @@ class Eagle3Drafter(nn.Module):
             tlogits = target.logits_from_last_hidden(feats["last_hidden"])
             in_vocab = self.t2d[tlogits.argmax(-1)]
             teacher = tlogits[..., self.draft_ids].float()  # restricted; its softmax is renormalised
+            log_z = torch.logsumexp(tlogits.float(), -1)  # full-vocab normaliser, for the T=1 acceptance proxy
             del tlogits
         docs = PackedDocs(batch["doc_lengths"]) if "doc_lengths" in batch else None
         inside = docs.same_doc if docs is not None else (lambda n: True)  # packed: not past the document's end
@@ -379,6 +380,8 @@ class Eagle3Drafter(nn.Module):
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
         run = torch.ones_like(am)  # all earlier steps correct at this anchor
+        run_t1 = torch.ones(am.shape, device=ids.device)  # prod of the earlier steps' T=1 acceptance
+        tau_t1 = 1.0
         for i, lg in enumerate(logits):
             tch = _shift(teacher, 1 + i)
             sup = _shift(lm & am, lead + i, False) & inside(lead + i)
@@ -397,6 +400,15 @@ class Eagle3Drafter(nn.Module):
                 cond_n = int((mask & run).sum())
                 metrics[f"cond_acc_{i}"] = (correct & run).sum().item() / max(cond_n, 1)
                 run = run & correct
+                # T=1 acceptance of step i: sum over the draft vocab of min(p, q) with p the target's FULL
+                # distribution (its mass outside the draft vocab is rejected, as in decoding), over every
+                # supervised position (out-of-vocab argmax ones included)
+                s_t1 = torch.minimum(lg.float().softmax(-1), (tch - _shift(log_z, 1 + i)[..., None]).exp()).sum(-1)
+                metrics[f"acc_t1_{i}"] = float(s_t1[sup].mean()) if sup.any() else 0.0
+                run_t1 = run_t1 * torch.where(sup, s_t1, 0.0)
+                if i == 0:
+                    anchors = max(int(sup.sum()), 1)
+                tau_t1 += float(run_t1.sum()) / anchors
             metrics[f"loss_{i}"], metrics[f"acc_{i}"] = float(li.detach()), acc
             if i == 0:
                 metrics["tokens"] = float(n)
@@ -407,6 +419,9 @@ class Eagle3Drafter(nn.Module):
         metrics["loss"] = float(total.detach())
         # PROXY: teacher-forced greedy top-1 agreement, +1 bonus token
         metrics["sim_tau"] = sim_tau([metrics[f"acc_{i}"] for i in range(len(logits))])
+        # PROXY at T=1: 1 + sum_i mean over anchors of prod_{j<=i} acc_t1_j(anchor) (a chain stops at an
+        # unsupervised position), the same definition as the draft model's sim_tau_t1
+        metrics["sim_tau_t1"] = tau_t1
         return total, metrics
 
     # ---- persistence -------------------------------------------------------------------------
