@@ -108,6 +108,16 @@ class DrafterConfig:
 
 
 @dataclass
+class OnPolicyConfig:
+    """training.on_policy (drafter.kind=draft; spectrain/on_policy.py): on that fraction of the optimizer steps
+    the batches are the student's own continuations of the training prompts, scored by the target."""
+    fraction: float = 0.0  # share of optimizer steps that roll out (0 = off: fixed data only; 1 = every step)
+    temperature: float = 1.0  # the student's sampling temperature (0 = greedy)
+    max_new_tokens: int = 32  # tokens sampled per prompt (fewer when an eos comes first)
+    refresh_every: int = 1  # 1 = sample from the current student; N = from a snapshot refreshed every N steps
+
+
+@dataclass
 class TrainingConfig:
     global_batch_size: int = 8
     micro_batch_size: int = 4
@@ -131,6 +141,7 @@ class TrainingConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     num_threads: int = 0  # torch CPU threads; 0 = $SPECTRAIN_NUM_THREADS, else the cores this process may use
     packing: bool = False  # pack each micro-batch's rows into one row with document masking (EAGLE-3)
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
 
     def grad_accum(self, world_size: int = 1) -> int:
         """Micro-steps per optimizer step so that one step sees exactly `global_batch_size` rows."""
@@ -278,6 +289,19 @@ def check_draft_layers(init: str, num_layers: int | None = None) -> list[int]:
     return layers
 
 
+def _check_on_policy(op: OnPolicyConfig, dr: DrafterConfig, t: TrainingConfig) -> None:
+    _require(0.0 <= op.fraction <= 1.0, f"training.on_policy.fraction={op.fraction} must be in [0, 1] (0 = off)")
+    _require(op.temperature >= 0, f"training.on_policy.temperature={op.temperature} must be >= 0 (0 = greedy)")
+    _require(op.max_new_tokens >= 1, f"training.on_policy.max_new_tokens={op.max_new_tokens} must be >= 1")
+    _require(op.refresh_every >= 1, f"training.on_policy.refresh_every={op.refresh_every} must be >= 1 "
+             "(1 = sample from the current student)")
+    if op.fraction > 0:
+        _require(dr.kind == "draft", f"training.on_policy is for drafter.kind=draft (got {dr.kind}); EAGLE-3 heads "
+                 "roll out with drafter.eagle3.rollout, or set training.on_policy.fraction=0")
+        _require(dr.loss != "hard_ce", "training.on_policy with drafter.loss=hard_ce would train the student on its "
+                 "own samples; use a divergence from the target (fkl, rkl, jsd, tvd, accept, lk)")
+
+
 def validate(r: Recipe) -> Recipe:
     """Numeric and cross-field sanity. Raises ValueError naming the key and the fix."""
     d, t, dr = r.data, r.training, r.drafter
@@ -306,6 +330,7 @@ def validate(r: Recipe) -> Recipe:
     _require(t.keep_checkpoints >= 1, f"training.keep_checkpoints={t.keep_checkpoints} must be >= 1")
     _require(not t.packing or dr.kind == "eagle3", f"training.packing=true is implemented for drafter.kind=eagle3 "
              f"only (got {dr.kind}); set training.packing=false")
+    _check_on_policy(t.on_policy, dr, t)
     e = dr.eagle3
     _require(all(i >= 0 for i in e.aux_layers) and len(set(e.aux_layers)) == len(e.aux_layers),
              f"drafter.eagle3.aux_layers={e.aux_layers} must be distinct layer ids >= 0 ([] = derive)")
