@@ -81,6 +81,7 @@ def sample_continuations(model, prompts: list[list[int]], max_new: int, sampler:
 class OnPolicy:
     """The loop's hook: ``batch(run, indices, micro_index)`` -> (batch, feats) of rollouts for on-policy steps."""
 
+    generates = True  # the loop logs gen_s / gen_tokens / gen_frac
     def __init__(self, cfg, seed: int, target, pad_id: int):
         self.cfg, self.seed, self.target, self.pad_id = cfg, seed, target, pad_id
         from spectrain.decoding import _resolve_eos
@@ -148,7 +149,30 @@ def student(run):
     return run.acc.unwrap_model(run.model).drafter.model
 
 
+class RolloutSteps(OnPolicy):
+    """drafter.eagle3.rollout's hook: a rollout step's batches are the fixed rows, marked with the seed of the
+    head's rollout (the drafting and the target's verification pass run inside Eagle3Drafter.train_loss)."""
+
+    generates = False
+
+    def begin_step(self, run) -> None:
+        self.gen_s, self.gen_tokens = 0.0, 0
+
+    def batch(self, run, indices: list[int], micro_index: int) -> tuple[dict, dict]:
+        batch, feats = run.train_src.get(indices)
+        batch["rollout_seed"] = (self.seed * 1_000_003 + run.state["step"]) * 10_007 + micro_index
+        return batch, feats
+
+    def save(self, path: Path) -> None:
+        pass  # no state: the seed follows from the step
+
+    def restore(self, run, ckpt_dir: Path) -> None:
+        pass
+
+
 def make(recipe, target, pad_id: int) -> OnPolicy | None:
-    """The hook for ``training.on_policy`` (None when fraction is 0)."""
-    op = recipe.training.on_policy
+    """The hook for ``training.on_policy`` or ``drafter.eagle3.rollout`` (None when both are off)."""
+    op, ro = recipe.training.on_policy, recipe.drafter.eagle3.rollout
+    if recipe.drafter.kind == "eagle3" and ro.fraction > 0:
+        return RolloutSteps(ro, recipe.training.seed, target, pad_id)
     return OnPolicy(op, recipe.training.seed, target, pad_id) if op.fraction > 0 else None

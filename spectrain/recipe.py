@@ -53,6 +53,16 @@ class DataConfig:
 
 
 @dataclass
+class Eagle3RolloutConfig:
+    """drafter.eagle3.rollout (spectrain/drafters/eagle3_rollout.py): on that fraction of the optimizer steps,
+    TTT feeds `anchors` anchors per row the head's own drafts and trains them against the target's
+    distribution on those drafted prefixes (one extra target pass per micro-batch)."""
+    fraction: float = 0.0  # share of optimizer steps that roll out (0 = off: plain TTT)
+    anchors: int = 16  # rolled-out anchors per row (the extra target pass grows with anchors x (ttt_steps - 1))
+    temperature: float = 0.0  # 0 = greedy drafts (the T=0 decoding path); > 0 = drafts sampled from the head
+
+
+@dataclass
 class Eagle3Config:
     aux_layers: list[int] = field(default_factory=list)  # [] = derive from the target
     num_layers: int = 1
@@ -77,6 +87,7 @@ class Eagle3Config:
     loss_positions: Literal["predicted", "input"] = "predicted"
     # positions whose target argmax lies outside the draft vocab: "mask" = no loss there, "keep" = trained
     out_of_vocab: Literal["mask", "keep"] = "mask"
+    rollout: Eagle3RolloutConfig = field(default_factory=Eagle3RolloutConfig)
 
 
 @dataclass
@@ -332,6 +343,19 @@ def validate(r: Recipe) -> Recipe:
              f"only (got {dr.kind}); set training.packing=false")
     _check_on_policy(t.on_policy, dr, t)
     e = dr.eagle3
+    ro = e.rollout
+    _require(0.0 <= ro.fraction <= 1.0, f"drafter.eagle3.rollout.fraction={ro.fraction} must be in [0, 1] (0 = off)")
+    _require(ro.anchors >= 1, f"drafter.eagle3.rollout.anchors={ro.anchors} must be >= 1")
+    _require(ro.temperature >= 0, f"drafter.eagle3.rollout.temperature={ro.temperature} must be >= 0 (0 = greedy)")
+    if ro.fraction > 0:
+        _require(dr.kind == "eagle3", f"drafter.eagle3.rollout is for drafter.kind=eagle3 (got {dr.kind}); "
+                 "set drafter.eagle3.rollout.fraction=0")
+        _require(e.ttt_steps >= 2, "drafter.eagle3.rollout needs drafter.eagle3.ttt_steps >= 2 (step 0 has no "
+                 "draft of its own to feed back)")
+        _require(not t.packing, "drafter.eagle3.rollout does not support training.packing=true yet; set "
+                 "training.packing=false")
+        _require(dr.loss != "hard_ce", "drafter.eagle3.rollout with drafter.loss=hard_ce has no data label on the "
+                 "head's own prefixes; use a divergence from the target (fkl, accept, lk ...)")
     _require(all(i >= 0 for i in e.aux_layers) and len(set(e.aux_layers)) == len(e.aux_layers),
              f"drafter.eagle3.aux_layers={e.aux_layers} must be distinct layer ids >= 0 ([] = derive)")
     _require(not e.aux_layers or (len(e.aux_layers) == 3 and e.aux_layers == sorted(e.aux_layers)),
