@@ -82,6 +82,7 @@ class OnPolicy:
     """The loop's hook: ``batch(run, indices, micro_index)`` -> (batch, feats) of rollouts for on-policy steps."""
 
     generates = True  # the loop logs gen_s / gen_tokens / gen_frac
+
     def __init__(self, cfg, seed: int, target, pad_id: int):
         self.cfg, self.seed, self.target, self.pad_id = cfg, seed, target, pad_id
         from spectrain.decoding import _resolve_eos
@@ -92,6 +93,10 @@ class OnPolicy:
 
     def active(self, step: int) -> bool:
         return is_on_policy_step(step, self.cfg.fraction)
+
+    def seed_for(self, step: int, micro_index: int) -> int:
+        """The rollout RNG seed of global micro-batch `micro_index` at `step`: nothing else to checkpoint."""
+        return (self.seed * 1_000_003 + step) * 10_007 + micro_index
 
     def begin_step(self, run) -> None:
         self.gen_s, self.gen_tokens = 0.0, 0
@@ -107,7 +112,7 @@ class OnPolicy:
 
         rows = run.train_src.token_rows(indices)
         prompts = [prompt_of(r) for r in rows]
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + run.state["step"]) * 10_007 + micro_index)
+        g = torch.Generator().manual_seed(self.seed_for(run.state["step"], micro_index))
         model = self.snapshot if self.snapshot is not None else student(run)
         t0, was_training = time.perf_counter(), model.training
         model.eval()  # no dropout while sampling: the rollout is the policy that decoding would run
@@ -160,7 +165,7 @@ class RolloutSteps(OnPolicy):
 
     def batch(self, run, indices: list[int], micro_index: int) -> tuple[dict, dict]:
         batch, feats = run.train_src.get(indices)
-        batch["rollout_seed"] = (self.seed * 1_000_003 + run.state["step"]) * 10_007 + micro_index
+        batch["rollout_seed"] = self.seed_for(run.state["step"], micro_index)
         return batch, feats
 
     def save(self, path: Path) -> None:
