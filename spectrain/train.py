@@ -6,7 +6,8 @@
 Read top to bottom: ``train`` builds the accelerator, the frozen target, the data, the drafter, the
 optimizer and the schedule; then every optimizer step is
 
-    global batch -> this rank's micro-batches -> target features (no grad) -> drafter loss
+    global batch -> this rank's micro-batches (on rollout steps: the hook's rollouts, spectrain/on_policy.py)
+    -> target features (no grad) -> drafter loss
     -> backward (accumulated; synced on the last micro-batch) -> clip -> AdamW + schedule
     -> metrics -> held-out eval / checkpoint / preemption check.
 
@@ -226,7 +227,7 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
 
 
 def _on_policy_hook(recipe, acc, target):
-    """training.on_policy's rollout hook (spectrain/on_policy.py), or None when it is off."""
+    """The rollout hook of training.on_policy or drafter.eagle3.rollout (spectrain/on_policy.py), or None."""
     from accelerate.utils import DistributedType
 
     from spectrain import on_policy
