@@ -58,6 +58,9 @@ _HASH_EXEMPT = {
     ("training", "max_steps"), ("training", "epochs"),
 }
 _LENGTH_KEYS = {("training", "max_steps"), ("training", "epochs")}
+# Option sections that leave the hash when switched off (fraction 0), so checkpoints written before the
+# option existed still resume.
+_OFF_WHEN_ZERO = {("training", "on_policy"): "fraction", ("drafter", "eagle3", "rollout"): "fraction"}
 
 
 def training_fields(recipe_dict: dict, legacy: bool = False) -> dict:
@@ -69,6 +72,12 @@ def training_fields(recipe_dict: dict, legacy: bool = False) -> dict:
         for key in path[:-1]:
             node = node.get(key, {})
         node.pop(path[-1], None)
+    for path, key in _OFF_WHEN_ZERO.items():
+        node = out
+        for k in path[:-1]:
+            node = node.get(k, {})
+        if not (node.get(path[-1]) or {}).get(key, 0):
+            node.pop(path[-1], None)
     return out
 
 
@@ -195,10 +204,11 @@ def save_drafter_dir(drafter, path: Path, state_dict: dict | None = None) -> Non
 
 
 def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: int,
-                    state_dict: dict | None = None, scheduler=None) -> Path:
+                    state_dict: dict | None = None, scheduler=None, extra=None) -> Path:
     """Collective (every rank calls it). Writes step-N atomically, repoints `last`, prunes old ones.
     ``state_dict``: the drafter's gathered weights when ZeRO-3 / FSDP shard it (see save_drafter_dir);
-    ``scheduler``: the LR scheduler, saved as JSON (accelerate would pickle it)."""
+    ``scheduler``: the LR scheduler, saved as JSON (accelerate would pickle it); ``extra(dir)``: writes
+    more state into the checkpoint (main process, before it is sealed)."""
     step = int(state["step"])
     final = output_dir / f"step-{step}"
     tmp = output_dir / f".tmp-step-{step}"  # same name on every rank: they share the directory
@@ -215,6 +225,8 @@ def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: i
             if scheduler is not None:
                 (tmp / SCHEDULER_FILE).write_text(json.dumps(scheduler.state_dict()))
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+            if extra is not None:
+                extra(tmp)
             integrity.seal(tmp)
     if accelerator.is_main_process:
         if final.exists():  # a re-run of the same step (e.g. resumed then preempted again)
@@ -358,6 +370,7 @@ def resume(accelerator, output_dir: Path, resume_from: str, recipe_dict: dict, m
             truncate_metrics(metrics_path, 0)  # records of an attempt that died before its first checkpoint
         return None
     state = load_checkpoint(accelerator, path, recipe_dict, scheduler)
+    state["checkpoint_dir"] = str(path)  # where extra state (e.g. the on-policy snapshot) is read from
     accelerator.step = 0  # accelerate's micro-step counter: we always stop at an optimizer-step boundary
     if accelerator.is_main_process:
         truncate_metrics(metrics_path, state["step"])

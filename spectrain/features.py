@@ -353,6 +353,10 @@ class FeatureCache:
             r["aux"] = aux.to(dt)
         return r
 
+    def token_rows(self, indices: list[int]) -> list[dict]:
+        """input_ids and loss_mask of rows, without their features (on-policy rollouts take the prompts)."""
+        return [{k: v for k, v in self.row(int(i)).items() if k in ("input_ids", "loss_mask")} for i in indices]
+
     def get(self, indices: list[int]) -> tuple[dict, dict]:
         from spectrain.data import collate
 

@@ -8,7 +8,13 @@ log-space keeps the KL terms finite where probabilities underflow.
 
 Names follow DistillSpec: ``fkl`` = KL(p_teacher || q_student) (equals ``soft_ce`` up to the
 teacher's entropy, which has no gradient), ``rkl`` = KL(q || p), ``jsd`` = Jensen-Shannon with
-beta = 0.5, ``tvd`` = total variation 0.5 * sum |p - q|. ``hard_ce`` is the one loss that does not
+beta = 0.5, ``tvd`` = total variation 0.5 * sum |p - q|. ``accept`` = 1 - sum_v min(p, q), one minus the
+token acceptance probability of speculative sampling at T=1 (equal to ``tvd`` in value and gradient; the
+name says what is optimised). ``lk`` = the LK-lambda blend of KL and acceptance (arXiv 2602.23881, as in
+ModelOpt's ``masked_lk_lambda_loss`` and speculators' ``lk_hybrid``): lambda * fkl + (1 - lambda) * accept,
+lambda = exp(-LK_ETA * alpha) with alpha the masked mean sum min(p, q) of the call, detached: KL dominates
+while the overlap is small (where the acceptance loss alone has vanishing gradients), acceptance once it
+is large. Each family calls the loss once per TTT step / Medusa head, so lambda is per step / head. ``hard_ce`` is the one loss that does not
 look at the teacher: cross-entropy on hard labels, the data's next tokens (Medusa-1 / supervised
 fine-tuning; on target-regenerated data it is sequence-level distillation). Every family applies
 ``drafter.loss`` through ``drafter_loss`` so the name means the same thing for all of them.
@@ -65,6 +71,28 @@ def tvd(student_logits, teacher_logits, mask=None) -> torch.Tensor:
     return _masked_mean(0.5 * (lp.exp() - lq.exp()).abs().sum(-1), mask)
 
 
+def overlap(student_logits, teacher_logits) -> torch.Tensor:
+    """Per position sum_v min(p, q): the probability that speculative sampling at T=1 accepts a token drawn
+    from q when the target's distribution is p (shapes [...]; both over the same vocabulary)."""
+    lq, lp = _logps(student_logits, teacher_logits)
+    return torch.minimum(lp.exp(), lq.exp()).sum(-1)
+
+
+def accept(student_logits, teacher_logits, mask=None) -> torch.Tensor:
+    """1 - sum_v min(p, q): the expected rejection rate at T=1 (== tvd; see the module docstring)."""
+    return _masked_mean(1.0 - overlap(student_logits, teacher_logits), mask)
+
+
+LK_ETA = 3.0  # the LK paper's and ModelOpt's default decay rate (0 would be pure KL)
+
+
+def lk(student_logits, teacher_logits, mask=None, eta: float = LK_ETA) -> torch.Tensor:
+    """LK lambda: lambda * fkl + (1 - lambda) * accept, lambda = exp(-eta * mean alpha), detached."""
+    ov = overlap(student_logits, teacher_logits)
+    lam = math.exp(-eta * float(_masked_mean(ov.detach(), mask)))
+    return lam * fkl(student_logits, teacher_logits, mask) + (1.0 - lam) * _masked_mean(1.0 - ov, mask)
+
+
 def soft_ce(student_logits, teacher_logits, mask=None) -> torch.Tensor:
     """Soft cross-entropy -sum p log q (the EAGLE / SpecForge loss; same gradient as fkl)."""
     lq, lp = _logps(student_logits, teacher_logits)
@@ -78,7 +106,7 @@ def hard_ce(student_logits, labels, mask=None) -> torch.Tensor:
 
 
 # the divergences from the teacher's distribution (hard_ce takes labels instead: see drafter_loss)
-LOSSES = {"fkl": fkl, "rkl": rkl, "jsd": jsd, "tvd": tvd, "soft_ce": soft_ce}
+LOSSES = {"fkl": fkl, "rkl": rkl, "jsd": jsd, "tvd": tvd, "accept": accept, "lk": lk, "soft_ce": soft_ce}
 
 
 def drafter_loss(name: str, student_logits, teacher_logits, labels, mask=None) -> torch.Tensor:

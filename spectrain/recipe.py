@@ -28,7 +28,7 @@ from typing import Any, Literal
 import yaml
 
 DrafterKind = Literal["eagle3", "medusa", "draft", "ngram"]
-LossName = Literal["fkl", "rkl", "jsd", "tvd", "soft_ce", "hard_ce"]
+LossName = Literal["fkl", "rkl", "jsd", "tvd", "accept", "lk", "soft_ce", "hard_ce"]
 DEVICE_MAPS = ("", "auto", "balanced", "balanced_low_0", "sequential")
 Tracker = Literal["none", "jsonl", "wandb", "tensorboard"]
 
@@ -51,6 +51,16 @@ class DataConfig:
     max_rows: int = 0  # 0 = all rows
     heldout_rows: int = 64  # cap on the held-out split size
     cache_dir: str = ".cache/spectrain"
+
+
+@dataclass
+class Eagle3RolloutConfig:
+    """drafter.eagle3.rollout (spectrain/drafters/eagle3_rollout.py): on that fraction of the optimizer steps,
+    TTT feeds `anchors` anchors per row the head's own drafts and trains them against the target's
+    distribution on those drafted prefixes (one extra target pass per micro-batch)."""
+    fraction: float = 0.0  # share of optimizer steps that roll out (0 = off: plain TTT)
+    anchors: int = 16  # rolled-out anchors per row (the extra target pass grows with anchors x (ttt_steps - 1))
+    temperature: float = 0.0  # 0 = greedy drafts (the T=0 decoding path); > 0 = drafts sampled from the head
 
 
 @dataclass
@@ -78,6 +88,7 @@ class Eagle3Config:
     loss_positions: Literal["predicted", "input"] = "predicted"
     # positions whose target argmax lies outside the draft vocab: "mask" = no loss there, "keep" = trained
     out_of_vocab: Literal["mask", "keep"] = "mask"
+    rollout: Eagle3RolloutConfig = field(default_factory=Eagle3RolloutConfig)
 
 
 @dataclass
@@ -109,6 +120,16 @@ class DrafterConfig:
 
 
 @dataclass
+class OnPolicyConfig:
+    """training.on_policy (drafter.kind=draft; spectrain/on_policy.py): on that fraction of the optimizer steps
+    the batches are the student's own continuations of the training prompts, scored by the target."""
+    fraction: float = 0.0  # share of optimizer steps that roll out (0 = off: fixed data only; 1 = every step)
+    temperature: float = 1.0  # the student's sampling temperature (0 = greedy)
+    max_new_tokens: int = 32  # tokens sampled per prompt (fewer when an eos comes first)
+    refresh_every: int = 1  # 1 = sample from the current student; N = from a snapshot refreshed every N steps
+
+
+@dataclass
 class TrainingConfig:
     global_batch_size: int = 8
     micro_batch_size: int = 4
@@ -132,6 +153,7 @@ class TrainingConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     num_threads: int = 0  # torch CPU threads; 0 = $SPECTRAIN_NUM_THREADS, else the cores this process may use
     packing: bool = False  # pack each micro-batch's rows into one row with document masking (EAGLE-3)
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
 
     def grad_accum(self, world_size: int = 1) -> int:
         """Micro-steps per optimizer step so that one step sees exactly `global_batch_size` rows."""
@@ -287,6 +309,19 @@ def check_draft_layers(init: str, num_layers: int | None = None) -> list[int]:
     return layers
 
 
+def _check_on_policy(op: OnPolicyConfig, dr: DrafterConfig, t: TrainingConfig) -> None:
+    _require(0.0 <= op.fraction <= 1.0, f"training.on_policy.fraction={op.fraction} must be in [0, 1] (0 = off)")
+    _require(op.temperature >= 0, f"training.on_policy.temperature={op.temperature} must be >= 0 (0 = greedy)")
+    _require(op.max_new_tokens >= 1, f"training.on_policy.max_new_tokens={op.max_new_tokens} must be >= 1")
+    _require(op.refresh_every >= 1, f"training.on_policy.refresh_every={op.refresh_every} must be >= 1 "
+             "(1 = sample from the current student)")
+    if op.fraction > 0:
+        _require(dr.kind == "draft", f"training.on_policy is for drafter.kind=draft (got {dr.kind}); EAGLE-3 heads "
+                 "roll out with drafter.eagle3.rollout, or set training.on_policy.fraction=0")
+        _require(dr.loss != "hard_ce", "training.on_policy with drafter.loss=hard_ce would train the student on its "
+                 "own samples; use a divergence from the target (fkl, rkl, jsd, tvd, accept, lk)")
+
+
 def validate(r: Recipe) -> Recipe:
     """Numeric and cross-field sanity. Raises ValueError naming the key and the fix."""
     d, t, dr = r.data, r.training, r.drafter
@@ -315,7 +350,21 @@ def validate(r: Recipe) -> Recipe:
     _require(t.keep_checkpoints >= 1, f"training.keep_checkpoints={t.keep_checkpoints} must be >= 1")
     _require(not t.packing or dr.kind == "eagle3", f"training.packing=true is implemented for drafter.kind=eagle3 "
              f"only (got {dr.kind}); set training.packing=false")
+    _check_on_policy(t.on_policy, dr, t)
     e = dr.eagle3
+    ro = e.rollout
+    _require(0.0 <= ro.fraction <= 1.0, f"drafter.eagle3.rollout.fraction={ro.fraction} must be in [0, 1] (0 = off)")
+    _require(ro.anchors >= 1, f"drafter.eagle3.rollout.anchors={ro.anchors} must be >= 1")
+    _require(ro.temperature >= 0, f"drafter.eagle3.rollout.temperature={ro.temperature} must be >= 0 (0 = greedy)")
+    if ro.fraction > 0:
+        _require(dr.kind == "eagle3", f"drafter.eagle3.rollout is for drafter.kind=eagle3 (got {dr.kind}); "
+                 "set drafter.eagle3.rollout.fraction=0")
+        _require(e.ttt_steps >= 2, "drafter.eagle3.rollout needs drafter.eagle3.ttt_steps >= 2 (step 0 has no "
+                 "draft of its own to feed back)")
+        _require(not t.packing, "drafter.eagle3.rollout does not support training.packing=true yet; set "
+                 "training.packing=false")
+        _require(dr.loss != "hard_ce", "drafter.eagle3.rollout with drafter.loss=hard_ce has no data label on the "
+                 "head's own prefixes; use a divergence from the target (fkl, accept, lk ...)")
     _require(all(i >= 0 for i in e.aux_layers) and len(set(e.aux_layers)) == len(e.aux_layers),
              f"drafter.eagle3.aux_layers={e.aux_layers} must be distinct layer ids >= 0 ([] = derive)")
     _require(not e.aux_layers or (len(e.aux_layers) == 3 and e.aux_layers == sorted(e.aux_layers)),

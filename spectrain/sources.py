@@ -22,22 +22,29 @@ class OnlineSource:
     def bind(self, spec: dict) -> None:
         self.spec = spec
 
+    def token_rows(self, indices: list[int]) -> list[dict]:
+        return [self.rows[i] for i in indices]
+
     def get(self, indices: list[int]) -> tuple[dict, dict]:
         from spectrain.data import collate
 
-        batch = {k: v.to(self.device) for k, v in collate([self.rows[i] for i in indices], self.pad_id).items()}
-        s = self.spec
-        out = self.target.forward(batch["input_ids"], batch["attention_mask"], aux_layers=s.get("aux_layers", ()),
-                                  want_last_hidden=s.get("want_last_hidden", False),
-                                  want_final_hidden=s.get("want_final_hidden", False), want_logits=False)
-        feats = {}
-        if out.aux_hidden:
-            feats["aux"] = torch.cat(out.aux_hidden, -1)
-        if out.last_hidden is not None:
-            feats["last_hidden"] = out.last_hidden
-        if s.get("want_final_hidden"):
-            feats["final_hidden"] = out.final_hidden
-        return batch, feats
+        batch = {k: v.to(self.device) for k, v in collate(self.token_rows(indices), self.pad_id).items()}
+        return batch, target_features(self.target, batch, self.spec)
+
+
+def target_features(target, batch: dict, spec: dict) -> dict:
+    """The frozen target's features of a collated batch that a drafter's ``feature_spec`` asks for (no grad)."""
+    out = target.forward(batch["input_ids"], batch["attention_mask"], aux_layers=spec.get("aux_layers", ()),
+                         want_last_hidden=spec.get("want_last_hidden", False),
+                         want_final_hidden=spec.get("want_final_hidden", False), want_logits=False)
+    feats = {}
+    if out.aux_hidden:
+        feats["aux"] = torch.cat(out.aux_hidden, -1)
+    if out.last_hidden is not None:
+        feats["last_hidden"] = out.last_hidden
+    if spec.get("want_final_hidden"):
+        feats["final_hidden"] = out.final_hidden
+    return feats
 
 
 def make_sources(recipe, target, train_rows, heldout_rows, device):

@@ -6,7 +6,8 @@
 Read top to bottom: ``train`` builds the accelerator, the frozen target, the data, the drafter, the
 optimizer and the schedule; then every optimizer step is
 
-    global batch -> this rank's micro-batches -> target features (no grad) -> drafter loss
+    global batch -> this rank's micro-batches (on rollout steps: the hook's rollouts, spectrain/on_policy.py)
+    -> target features (no grad) -> drafter loss
     -> backward (accumulated; synced on the last micro-batch) -> clip -> AdamW + schedule
     -> metrics -> held-out eval / checkpoint / preemption check.
 
@@ -217,11 +218,26 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
     model, opt = acc.prepare(_LossModule(drafter, target), opt)
     out = Path(recipe.output_dir)
     return Run(acc=acc, recipe=recipe, target=target, drafter=drafter, model=model, opt=opt, sched=sched,
+               on_policy=_on_policy_hook(recipe, acc, target),
                params=params, train_src=train_src, held_src=held_src, out=out, total=total,
                steps_per_epoch=steps_per_epoch, metrics_path=out / "metrics.jsonl", stop_signal=None,
                order_cache=(-1, []),
                state={"step": 0, "epoch": 0, "step_in_epoch": 0, "best_sim_tau": None, "best_step": None,
                       "nan_streak": 0})
+
+
+def _on_policy_hook(recipe, acc, target):
+    """The rollout hook of training.on_policy or drafter.eagle3.rollout (spectrain/on_policy.py), or None."""
+    from accelerate.utils import DistributedType
+
+    from spectrain import on_policy
+
+    if recipe.training.on_policy.fraction > 0 and (zero3(acc) or acc.distributed_type == DistributedType.FSDP):
+        raise ValueError("training.on_policy runs single-process or DDP: under ZeRO-3 / FSDP the student's weights "
+                         "are sharded and sampling would need a collective per token; use DDP or ZeRO-1/2")
+    from spectrain.features import _pad_id
+
+    return on_policy.make(recipe, target, _pad_id(target))
 
 
 # ---- one optimizer step ----------------------------------------------------------------------------
@@ -246,6 +262,10 @@ def _all_ranks(acc, flag: bool) -> bool:
     return float(x) > 0
 
 
+def _sum_ranks(acc, x: float) -> float:
+    return float(acc.reduce(torch.tensor([float(x)], device=acc.device), "sum")) if acc.num_processes > 1 else float(x)
+
+
 def _pool(acc, losses: list[float], parts: list[tuple[dict, float]]) -> dict:
     """Step metrics pooled over micro-batches and ranks: loss = mean micro loss (what is optimised),
     the rest token-weighted. Every rank has the same metric keys, so one all-reduce suffices."""
@@ -267,8 +287,12 @@ def _pool(acc, losses: list[float], parts: list[tuple[dict, float]]) -> dict:
 def train_step(run) -> dict:
     acc, t, st = run.acc, run.recipe.training, run.state
     losses, parts, tokens, finite = [], [], 0, True
-    for mb in step_micro_batches(run):
-        batch, feats = run.train_src.get(mb)
+    op = run.on_policy if run.on_policy is not None and run.on_policy.active(st["step"]) else None
+    if op is not None:
+        op.begin_step(run)
+    for j, mb in enumerate(step_micro_batches(run)):
+        # on-policy steps: the student's rollouts of these rows' prompts (j: the global micro-batch index)
+        batch, feats = op.batch(run, mb, acc.process_index + j * acc.num_processes) if op else run.train_src.get(mb)
         if t.packing:  # one row of real tokens per micro-batch, attention masked per document
             batch, feats = pack_rows(batch, feats)
         tokens += int(batch["attention_mask"].sum())
@@ -304,8 +328,11 @@ def train_step(run) -> dict:
     with warnings.catch_warnings():  # torch warns when a skipped step leaves optimizer.step() uncalled
         warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
         run.sched.step()  # also on a skipped step, so lr, step count and data position stay aligned
-    rec["tokens"] = float(acc.reduce(torch.tensor([float(tokens)], device=acc.device), "sum")) \
-        if acc.num_processes > 1 else float(tokens)
+    rec["tokens"] = _sum_ranks(acc, tokens)
+    if run.on_policy is not None:  # 1 on rollout steps; this rank's generation time, tokens of all ranks
+        rec["on_policy"] = float(op is not None)
+        if run.on_policy.generates:
+            rec["gen_s"], rec["gen_tokens"] = (op.gen_s, _sum_ranks(acc, op.gen_tokens)) if op else (0.0, 0.0)
     st["step"] += 1
     st["step_in_epoch"] += 1
     if st["step_in_epoch"] >= run.steps_per_epoch:
@@ -378,7 +405,8 @@ def save(run) -> Path:
     drafter = run.acc.unwrap_model(run.model).drafter
     sd = full_state_dict(drafter) if is_sharded(drafter) else None  # collective
     return ckpt.save_checkpoint(run.acc, drafter, run.out, state, run.recipe.training.keep_checkpoints,
-                                state_dict=sd, scheduler=run.sched)
+                                state_dict=sd, scheduler=run.sched,
+                                extra=run.on_policy.save if run.on_policy is not None else None)
 
 
 def extend(run, saved: dict) -> None:
@@ -414,6 +442,8 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
     if saved is not None:
         run.state = {k: saved[k] for k in run.state}
         extend(run, saved)
+        if run.on_policy is not None:
+            run.on_policy.restore(run, saved["checkpoint_dir"])
     else:
         # the untrained head: the baseline a report compares the trained one against
         save_drafter(run, lambda d, sd: ckpt.save_drafter_atomic(d, run.out / "init", sd))
@@ -431,8 +461,9 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
         while run.state["step"] < run.total:
             ts = time.perf_counter()
             rec = train_step(run)
-            rec = {"step": run.state["step"], "epoch": run.state["epoch"], **rec,
-                   "tokens_per_s": rec["tokens"] / max(time.perf_counter() - ts, 1e-9)}
+            dt = max(time.perf_counter() - ts, 1e-9)
+            rec = {"step": run.state["step"], "epoch": run.state["epoch"], **rec, "tokens_per_s": rec["tokens"] / dt,
+                   **({"gen_frac": rec["gen_s"] / dt} if "gen_s" in rec else {})}  # share of the step spent sampling
             log(run, rec)
             bar.update(1)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec.get('acc_0', float('nan')):.2f}")

@@ -22,6 +22,9 @@ EXPECTED = {
     "jsd": JSD,
     "tvd": 0.5 * (abs(0.25 - 0.75) + abs(0.75 - 0.25)),
     "soft_ce": -(P[0] * math.log(Q[0]) + P[1] * math.log(Q[1])),
+    "accept": 1.0 - (min(P[0], Q[0]) + min(P[1], Q[1])),  # overlap alpha = 0.5
+    # lambda = exp(-3 * alpha) on KL, 1 - lambda on 1 - alpha
+    "lk": math.exp(-1.5) * KL_PQ + (1 - math.exp(-1.5)) * 0.5,
 }
 
 
@@ -79,3 +82,29 @@ def test_hard_ce_uses_the_labels_not_the_teacher():
     assert hard_ce(rows, torch.tensor([0, 1]), torch.tensor([0, 1])).item() == pytest.approx(-math.log(Q[1]), rel=1e-5)
     with pytest.raises(ValueError, match="hard_ce"):
         get_loss("kl")
+
+
+@pytest.mark.parametrize("name", ["accept", "lk"])
+def test_acceptance_losses_have_gradients_that_raise_the_overlap(name):
+    from spectrain.losses import overlap
+
+    torch.manual_seed(0)
+    teacher = torch.randn(6, 9) * 2
+    student = torch.randn(6, 9, requires_grad=True)
+    before = overlap(student, teacher).mean().item()
+    opt = torch.optim.SGD([student], lr=2.0)
+    for _ in range(20):
+        opt.zero_grad()
+        get_loss(name)(student, teacher).backward()
+        assert student.grad.abs().sum() > 0
+        opt.step()
+    assert overlap(student, teacher).mean().item() > before + 0.1
+
+
+def test_accept_equals_one_minus_overlap_and_tvd():
+    torch.manual_seed(1)
+    s, t = torch.randn(4, 5), torch.randn(4, 5)
+    p, q = t.softmax(-1), s.softmax(-1)
+    want = (1 - torch.minimum(p, q).sum(-1)).mean()
+    assert get_loss("accept")(s, t).item() == pytest.approx(want.item(), rel=1e-6)
+    assert get_loss("tvd")(s, t).item() == pytest.approx(want.item(), rel=1e-5)  # 1 - sum min = TVD

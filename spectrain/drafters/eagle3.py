@@ -259,7 +259,9 @@ class Eagle3Drafter(nn.Module):
         if e.init_from:  # fine-tune an existing head (spectrain's, speculators' or the EAGLE/SGLang format)
             from spectrain.drafters.eagle3_import import init_from_head
 
-            return init_from_head(cls, e.init_from, recipe, target)
+            model = init_from_head(cls, e.init_from, recipe, target)
+            model.rollout_cfg = e.rollout
+            return model
         aux = target.validate_aux_layers(list(e.aux_layers) or target.default_aux_layers())
         d2t, t2d = build_draft_vocab(token_counts, e.draft_vocab_size, target.vocab_size)
         cfg = config_from_target(target, e, aux, e.draft_vocab_size)
@@ -272,6 +274,7 @@ class Eagle3Drafter(nn.Module):
         # loads fine and then accepts almost nothing. Record which target it was trained on.
         cfg["target_fingerprint"] = target_fingerprint(target)
         model = cls(cfg, d2t, t2d)
+        model.rollout_cfg = e.rollout  # training only: not part of the saved head
         if e.lm_head_init != "random":
             model.init_head_from_target(target, with_norm=e.lm_head_init == "target_with_norm")
         return model.to(target.device)
@@ -331,9 +334,10 @@ class Eagle3Drafter(nn.Module):
         return self.fc(x)
 
     def ttt_logits(self, input_ids, attention_mask, aux, target, steps: int | None = None,
-                   docs: PackedDocs | None = None) -> list[torch.Tensor]:
+                   docs: PackedDocs | None = None, feed=None) -> list[torch.Tensor]:
         """Unrolled TTT forward: per step i, logits [B,T,D] at every anchor t (see module docstring).
-        ``docs``: the row is packed (spectrain.packing); attention stays inside each document."""
+        ``docs``: the row is packed (spectrain.packing); attention stays inside each document.
+        ``feed(i, previous step's logits, data tokens)``: step i's input tokens (rollouts; default the data's)."""
         steps = steps or self.config["ttt_steps"]
         if docs is not None:
             # a window at least as long as the packed row masks nothing (e.g. speculators' 2048 on short rows)
@@ -354,7 +358,10 @@ class Eagle3Drafter(nn.Module):
         out = []
         for i in range(steps):
             with torch.no_grad():
-                emb = self._emb(target.embed(_shift(input_ids, 1 + i)))
+                tok = _shift(input_ids, 1 + i)
+                if feed is not None and i > 0:
+                    tok = feed(i, out[-1], tok)
+                emb = self._emb(target.embed(tok))
             hidden, logits = self.step(emb, hidden, pos0 + i, attends)
             out.append(logits)
         return out
@@ -370,19 +377,28 @@ class Eagle3Drafter(nn.Module):
         to_draft = torch.cumsum(self.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
         with torch.no_grad():
             tlogits = target.logits_from_last_hidden(feats["last_hidden"])
-            in_vocab = self.t2d[tlogits.argmax(-1)]
+            greedy = tlogits.argmax(-1)  # the target's greedy choice on the data row
+            in_vocab = self.t2d[greedy]
             teacher = tlogits[..., self.draft_ids].float()  # restricted; its softmax is renormalised
+            log_z = torch.logsumexp(tlogits.float(), -1)  # full-vocab normaliser, for the T=1 acceptance proxy
             del tlogits
         docs = PackedDocs(batch["doc_lengths"]) if "doc_lengths" in batch else None
         inside = docs.same_doc if docs is not None else (lambda n: True)  # packed: not past the document's end
-        logits = self.ttt_logits(ids, am, feats["aux"], target, steps, docs)
+        roll = self._rollout(batch, _shift(lm & am, lead, False) & inside(lead))
+        logits = self.ttt_logits(ids, am, feats["aux"], target, steps, docs, roll.feed if roll else None)
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
+        if roll is not None:  # the target's verification pass over the drafted prefixes
+            metrics.update(roll.verify(target, ids, am, _shift(greedy, 1)))
         run = torch.ones_like(am)  # all earlier steps correct at this anchor
+        run_t1 = torch.ones(am.shape, device=ids.device)  # prod of the earlier steps' T=1 acceptance
+        tau_t1 = 1.0
         for i, lg in enumerate(logits):
-            tch = _shift(teacher, 1 + i)
+            tch, lz, inv = _shift(teacher, 1 + i), _shift(log_z, 1 + i), _shift(in_vocab, 1 + i, False)
+            if roll is not None and i > 0:  # rolled-out anchors: the target on the head's own prefix
+                tch, lz, inv = roll.substitute(i, tch, lz, inv)
             sup = _shift(lm & am, lead + i, False) & inside(lead + i)
-            mask = sup if keep_oov else sup & _shift(in_vocab, 1 + i, False)
+            mask = sup if keep_oov else sup & inv
             if name == "hard_ce":  # labels = the data's token t+2+i, where the draft vocabulary has it
                 data = _shift(ids, 2 + i)
                 li = hard_ce(lg, to_draft[data].clamp_min(0),
@@ -397,6 +413,15 @@ class Eagle3Drafter(nn.Module):
                 cond_n = int((mask & run).sum())
                 metrics[f"cond_acc_{i}"] = (correct & run).sum().item() / max(cond_n, 1)
                 run = run & correct
+                # T=1 acceptance of step i: sum over the draft vocab of min(p, q) with p the target's FULL
+                # distribution (its mass outside the draft vocab is rejected, as in decoding), over every
+                # supervised position (out-of-vocab argmax ones included)
+                s_t1 = torch.minimum(lg.float().softmax(-1), (tch - lz[..., None]).exp()).sum(-1)
+                metrics[f"acc_t1_{i}"] = float(s_t1[sup].mean()) if sup.any() else 0.0
+                run_t1 = run_t1 * torch.where(sup, s_t1, 0.0)
+                if i == 0:
+                    anchors = max(int(sup.sum()), 1)
+                tau_t1 += float(run_t1.sum()) / anchors
             metrics[f"loss_{i}"], metrics[f"acc_{i}"] = float(li.detach()), acc
             if i == 0:
                 metrics["tokens"] = float(n)
@@ -407,7 +432,21 @@ class Eagle3Drafter(nn.Module):
         metrics["loss"] = float(total.detach())
         # PROXY: teacher-forced greedy top-1 agreement, +1 bonus token
         metrics["sim_tau"] = sim_tau([metrics[f"acc_{i}"] for i in range(len(logits))])
+        # PROXY at T=1: 1 + sum_i mean over anchors of prod_{j<=i} acc_t1_j(anchor) (a chain stops at an
+        # unsupervised position), the same definition as the draft model's sim_tau_t1
+        metrics["sim_tau_t1"] = tau_t1
         return total, metrics
+
+    def _rollout(self, batch: dict, sup0: torch.Tensor):
+        """A rollout step (the loop put ``rollout_seed`` into the batch; drafters/eagle3_rollout.py) or None."""
+        if "rollout_seed" not in batch:
+            return None
+        if "doc_lengths" in batch:
+            raise ValueError("drafter.eagle3.rollout does not support training.packing=true yet; set "
+                             "training.packing=false")
+        from spectrain.drafters.eagle3_rollout import Rollout
+
+        return Rollout(self, sup0, self.rollout_cfg, int(batch["rollout_seed"]))
 
     # ---- persistence -------------------------------------------------------------------------
     def save_pretrained(self, path, state_dict: dict | None = None) -> None:

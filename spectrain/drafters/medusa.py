@@ -30,7 +30,7 @@ from torch import nn
 
 from spectrain.drafters.base import DraftContext, Drafter, Proposal
 from spectrain.drafters.head_io import WEIGHTS_NAME, read_head_config, save_head
-from spectrain.losses import drafter_loss, sim_tau
+from spectrain.losses import drafter_loss, overlap, sim_tau
 
 
 class ResidualStack(nn.Module):
@@ -109,6 +109,8 @@ class MedusaHeads(nn.Module):
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
         run = torch.ones_like(am)  # anchors where every earlier head agreed with the target
+        run_t1 = torch.ones(am.shape, device=ids.device)  # prod of the earlier heads' T=1 acceptance
+        tau_t1, anchors = 1.0, 1
         for i in range(self.num_heads):
             n_anchor = max(t - 2 - i, 0)
             mask = lm[:, 2 + i:] & am[:, :n_anchor]  # [B, T-2-i] over anchors t
@@ -130,12 +132,20 @@ class MedusaHeads(nn.Module):
                 cond &= run
                 metrics[f"cond_acc_{i}"] = float((correct & cond).sum()) / max(int(cond.sum()), 1)
                 run = run & correct
+                # T=1 acceptance proxy of head i: sum_v min(p, q) over the full vocabulary
+                s_t1 = torch.zeros(am.shape, device=ids.device)
+                s_t1[rb, rt] = overlap(logits, teacher)
+                metrics[f"acc_t1_{i}"] = float(s_t1[rb, rt].mean()) if n else 0.0
+                run_t1 = run_t1 * s_t1
+                anchors = max(n, 1) if i == 0 else anchors
+                tau_t1 += float(run_t1.sum()) / anchors
             metrics[f"loss_{i}"], metrics[f"acc_{i}"] = float(li.detach()), acc
             if i == 0:
                 metrics["tokens"] = float(n)
         metrics["loss"] = float(total.detach())
         # PROXY, not a measured tau: teacher-forced greedy top-1 agreement, 1 + sum_i prod_{j<=i} acc_j
         metrics["sim_tau"] = sim_tau([metrics[f"acc_{i}"] for i in range(self.num_heads)])
+        metrics["sim_tau_t1"] = tau_t1  # PROXY at T=1: 1 + sum_i mean over anchors of prod_{j<=i} acc_t1_j
         return total, metrics
 
     # ---- persistence -------------------------------------------------------------------------
