@@ -44,12 +44,23 @@ def _top_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _features_keys() -> str:
+    import dataclasses
+
+    from spectrain.recipe import FeaturesConfig
+
+    return ", ".join(f"features.{f.name}={f.default}" + (" (bf16|fp32|fp8)" if f.name == "dtype" else "")
+                     for f in dataclasses.fields(FeaturesConfig))
+
+
 def command_parser(name: str) -> argparse.ArgumentParser:
     """The full parser of one command (imports only that command's module)."""
     help_text, adder, takes_recipe = COMMANDS[name]
-    p = argparse.ArgumentParser(prog=f"spectrain {name}", description=help_text, epilog=(
-        "a.b=value: typed recipe overrides (e.g. training.lr=1e-4), anywhere after the recipe" if takes_recipe
-        else None))
+    epilog = "a.b=value: typed recipe overrides (e.g. training.lr=1e-4), anywhere after the recipe" \
+        if takes_recipe else None
+    if name == "prepare-features":
+        epilog += "; the cache's own keys (recipe section features:): " + _features_keys()
+    p = argparse.ArgumentParser(prog=f"spectrain {name}", description=help_text, epilog=epilog)
     if takes_recipe:
         p.add_argument("recipe", help=RECIPE_HELP)
     if adder:

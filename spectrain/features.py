@@ -1,7 +1,7 @@
 """Offline target-feature cache: run the frozen target once, train many times.
 
 ``spectrain prepare-features RECIPE [features.dtype=bf16|fp32|fp8] [features.shard_mb=1024]
-[features.batch_size=8]`` writes, under ``training.feature_cache``::
+[features.batch_size=8]`` (the recipe's ``features:`` section; ``spectrain check`` validates it) writes, under ``training.feature_cache``::
 
     manifest.json                    target fingerprint, aux layer ids, sizes, dtype, data hash, shards
     train-00000.safetensors ...      one split = consecutive rows, packed without padding
@@ -24,6 +24,7 @@ manifest after each shard, so an interrupted run resumes by skipping the finishe
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import json
 import os
@@ -379,25 +380,6 @@ class FeatureCache:
         return counts
 
 
-FEATURE_OPTIONS = {"dtype": str, "shard_mb": float, "batch_size": int}
-
-
-def _split_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
-    opts, rest = {"dtype": "bf16", "shard_mb": 1024.0, "batch_size": 8}, []
-    for o in overrides:
-        key, sep, value = o.partition("=")
-        if not key.startswith("features."):
-            rest.append(o)
-            continue
-        name = key[len("features."):]
-        if not sep or name not in FEATURE_OPTIONS:
-            raise ValueError(f"bad option {o!r}: use features.<{'|'.join(FEATURE_OPTIONS)}>=VALUE")
-        opts[name] = FEATURE_OPTIONS[name](value)
-    if opts["dtype"] not in STORE_DTYPES:
-        raise ValueError(f"features.dtype={opts['dtype']!r}: use one of {', '.join(STORE_DTYPES)}")
-    return opts, rest
-
-
 def _process_group():
     """(rank, world, device, barrier) from the launcher's environment (torchrun / accelerate launch)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -421,8 +403,8 @@ def main(recipe_path: str, overrides: list[str]) -> int:
     from spectrain.recipe import load_recipe
     from spectrain.target import load_target
 
-    opts, rest = _split_overrides(overrides)
-    recipe = load_recipe(recipe_path, rest)
+    recipe = load_recipe(recipe_path, overrides)  # features.dtype / shard_mb / batch_size are recipe keys
+    opts = dataclasses.asdict(recipe.features)
     out = recipe.training.feature_cache
     if not out:
         raise ValueError("training.feature_cache is empty: set the cache directory, e.g. "
