@@ -14,7 +14,8 @@ import sys
 
 # name -> (one-line help, "module:function" adding the command's options or None, takes a recipe)
 COMMANDS: dict[str, tuple[str, str | None, bool]] = {
-    "check": ("validate a recipe, load target config/tokenizer/data sample, print it", None, True),
+    "check": ("validate a recipe, load target config/tokenizer/data sample, print it; --plan 8xH100: a cost plan",
+              "spectrain.check:add_check_args", True),
     "train": ("train the recipe's drafter (one process, or --nproc N through accelerate launch)",
               "spectrain.launch:add_launch_args", True),
     "prepare-features": ("write the offline target-feature cache for a recipe", None, True),
@@ -110,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
     if cmd == "check":
         from spectrain.recipe import check_main
 
-        return check_main(args.recipe, args.overrides)
+        return check_main(args.recipe, args.overrides, args.plan, args.mfu)
     if cmd == "train":
         from spectrain.launch import train_command
 

@@ -380,6 +380,21 @@ class FeatureCache:
         return counts
 
 
+def _require_cache_disk(out: str, splits: dict, per_token: int, verbose: bool) -> None:
+    """Say what the cache will take and refuse to start when its disk cannot hold it (shards already
+    written by an interrupted run count as done)."""
+    from spectrain.plan import free_bytes, require_disk
+
+    tokens = sum(len(r["input_ids"]) for rows in splits.values() for r in rows)
+    done = sum(f.stat().st_size for f in Path(out).glob("*.safetensors")) if Path(out).is_dir() else 0
+    need = max(0, tokens * per_token - done)
+    if verbose:
+        print(f"features: {tokens} tokens x {per_token} bytes/token = {tokens * per_token / 2**30:.2f} GiB to {out} "
+              f"({done / 2**30:.2f} GiB already there, {free_bytes(out) / 2**30:.1f} GiB free)", flush=True)
+    require_disk(out, need, "the feature cache", "point training.feature_cache at a larger disk, lower "
+                 "data.max_rows, or use features.dtype=fp8 (5H + 9 bytes per token instead of 8H + 5)")
+
+
 def _process_group():
     """(rank, world, device, barrier) from the launcher's environment (torchrun / accelerate launch)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -424,7 +439,9 @@ def main(recipe_path: str, overrides: list[str]) -> int:
         splits[split] = build_dataset(recipe.data, target.tokenizer, split, verbose=rank == 0)
         if rank == 0:
             barrier()
-    manifest, stats = write_feature_cache(target, splits, out, aux_layers_for(recipe, target), opts["dtype"],
+    aux = aux_layers_for(recipe, target)
+    _require_cache_disk(out, splits, bytes_per_token(target.hidden_size, len(aux), opts["dtype"]), rank == 0)
+    manifest, stats = write_feature_cache(target, splits, out, aux, opts["dtype"],
                                           recipe.data.max_length, opts["shard_mb"], opts["batch_size"],
                                           rank=rank, world=world, barrier=barrier)
     total = sum(sh["bytes"] for s in manifest["splits"].values() for sh in s["shards"])
