@@ -101,18 +101,22 @@ def add_check_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def _student_config(r: Recipe):
+    """A draft LM's own config (its size), or None for the other drafters and a layer subset of the target."""
+    if r.drafter.kind != "draft" or not r.drafter.draft.model:
+        return None
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(r.drafter.draft.model, trust_remote_code=r.target.trust_remote_code)
+
+
 def _plan(r: Recipe, cfg, tok, hardware: str, mfu: float) -> list[str]:
     """The plan's lines; raises ValueError with its problems (a cache or checkpoints that cannot fit)."""
     from spectrain.plan import data_size, parse_hardware, plan_lines
 
     if not 0 < mfu <= 1:
         raise ValueError(f"--mfu {mfu}: give a fraction in (0, 1], e.g. 0.3")
-    student = None
-    if r.drafter.kind == "draft" and r.drafter.draft.model:
-        from transformers import AutoConfig
-
-        student = AutoConfig.from_pretrained(r.drafter.draft.model, trust_remote_code=r.target.trust_remote_code)
-    lines, problems = plan_lines(r, cfg, data_size(r, tok), parse_hardware(hardware), mfu, student)
+    lines, problems = plan_lines(r, cfg, data_size(r, tok), parse_hardware(hardware), mfu, _student_config(r))
     if problems:
         print("\n".join(lines))
         raise ValueError("plan: " + "; ".join(problems))

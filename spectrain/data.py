@@ -121,7 +121,9 @@ def _raw_rows(source: str, report: SkipReport) -> Iterable[Any]:
     if p.is_dir():
         return _read_hf(source, local=True)
     if source.startswith((".", "/", "~")) or p.suffix in (".json", ".jsonl", ".gz") or source.count("/") > 1:
-        raise FileNotFoundError(f"data file not found: {source} (relative paths are from the current directory)")
+        hint = "; a recipe's regenerated data: run the `spectrain regenerate` line of its header first" \
+            if "regen" in p.parts else ""
+        raise FileNotFoundError(f"data file not found: {source} (relative paths are from the current directory){hint}")
     return _read_hf(source, local=False)
 
 
