@@ -156,8 +156,9 @@ class TrackingConfig:
 
 @dataclass
 class LaunchConfig:
-    """How `spectrain train` starts itself: N processes through `accelerate launch` (0 = one process,
-    unless --nproc says otherwise) and an accelerate config (a shipped name such as zero2, or a path)."""
+    """How `spectrain train` starts itself: N processes through `accelerate launch` (0 = every visible GPU,
+    one process without CUDA; 1 = one process; --nproc wins) and an accelerate config (a shipped name such
+    as zero2, or a path)."""
     nproc: int = 0
     accelerate_config: str = ""
 
