@@ -1,4 +1,4 @@
-"""`spectrain check RECIPE [--plan 8xH100 [--mfu 0.3]] [a.b=value ...]`: print the resolved recipe, then run
+"""`spectrain check RECIPE [--plan 8xH100 [--mfu 0.17]] [a.b=value ...]`: print the resolved recipe, then run
 every check `train` would run that needs only the recipe, the target's config and tokenizer and a data sample
 (the same functions: recipe validation, draft layer ranges, precision, trackers, the feature cache's
 presence ...). A failure is one `FAILED:` line and exit status 2. ``--plan`` adds the cost plan
@@ -97,7 +97,8 @@ def add_check_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--plan", default="", metavar="NxGPU",
                    help=f"also print a cost plan for N GPUs of a kind ({', '.join(GPUS)}), e.g. 8xH100")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                   help=f"model FLOPs utilisation the plan assumes (default {DEFAULT_MFU}, not measured)")
+                   help=f"model FLOPs utilisation the plan assumes (default {DEFAULT_MFU}: measured once, one H200 "
+                        "EAGLE-3 run on a 1.24B target; see spectrain/plan.py)")
     return p
 
 
@@ -110,10 +111,11 @@ def _student_config(r: Recipe):
     return AutoConfig.from_pretrained(r.drafter.draft.model, trust_remote_code=r.target.trust_remote_code)
 
 
-def _plan(r: Recipe, cfg, tok, hardware: str, mfu: float) -> list[str]:
+def _plan(r: Recipe, cfg, tok, hardware: str, mfu: float | None) -> list[str]:
     """The plan's lines; raises ValueError with its problems (a cache or checkpoints that cannot fit)."""
-    from spectrain.plan import data_size, parse_hardware, plan_lines
+    from spectrain.plan import DEFAULT_MFU, data_size, parse_hardware, plan_lines
 
+    mfu = DEFAULT_MFU if mfu is None else mfu
     if not 0 < mfu <= 1:
         raise ValueError(f"--mfu {mfu}: give a fraction in (0, 1], e.g. 0.3")
     lines, problems = plan_lines(r, cfg, data_size(r, tok), parse_hardware(hardware), mfu, _student_config(r))
@@ -123,7 +125,7 @@ def _plan(r: Recipe, cfg, tok, hardware: str, mfu: float) -> list[str]:
     return lines
 
 
-def main(recipe_path: str, overrides: list[str], plan: str = "", mfu: float = 0.3) -> int:
+def main(recipe_path: str, overrides: list[str], plan: str = "", mfu: float | None = None) -> int:
     """`spectrain check`: print the resolved recipe, then verify target, tokenizer and a data sample."""
     try:
         r = load_recipe(recipe_path, overrides)

@@ -1,19 +1,21 @@
-"""A cost plan before any compute: `spectrain check RECIPE --plan 8xH100 [--mfu 0.3]`.
+"""A cost plan before any compute: `spectrain check RECIPE --plan 8xH100 [--mfu 0.17]`.
 
 Every number here is an **estimate** from the recipe, the target's config, the data's row count and the
 mean tokenised length of a sample, by the formulas printed next to it:
 
-- FLOPs per trained token = target forward 2 * P_target (online features; offline: the teacher logits
-  only, 2 * V * H, the forward itself is paid once by prepare-features) + drafter forward/backward:
-  EAGLE-3 K TTT steps x (6 * P_trained + 4 * P_frozen) (a frozen lm_head still passes gradients back),
-  Medusa 6 * P_heads, a draft LM 6 * P_student. P counts the matmul weights; attention scores (a few
-  % at 2k tokens) and the held-out evaluations are left out.
-- wall time = FLOPs / (GPUs x peak bf16 FLOP/s x MFU); GPU-hours = GPUs x wall time.
+- model FLOPs per trained token, the convention of scripts/gpu_check.py (PaLM appendix B; s = tokens per
+  row, L / H = layers / hidden size, P = weights of the Linear layers that run):
+  target forward 2 * P_target_layers + 4 * L * H * s (online features only: offline, prepare-features
+  pays it once) + teacher logits 2 * H * V; EAGLE-3 fc 6 * P_fc + K TTT steps x (6 * P_layer+lm_head +
+  12 * L_d * H * s); Medusa 6 * P_heads; a draft LM 6 * P_student + 12 * L_s * H_s * s.
+- wall time = tokens x FLOPs/token / (GPUs x peak bf16 FLOP/s x MFU); GPU-hours = GPUs x wall time.
 - memory per GPU, feature-cache and checkpoint sizes: the arithmetic of recipes/README.md.
 
-MFU is an assumption (``--mfu``; the default 0.30 was not measured: no GPU was available to the
-development of this estimate) and GPU peaks are the vendors' dense (no sparsity) bf16 datasheet figures.
-``free_bytes`` / ``require_disk`` are the disk checks prepare-features and train run before they write.
+The default MFU 0.17 is **calibrated on one measurement**: scripts/gpu_check.py on one H200 trained an
+EAGLE-3 head on a synthetic 1.24B Llama target (micro 4 x 2048 tokens, TTT 7) at 19,376 tokens/s = 17.1%
+of 989 TFLOP/s by this same formula (docs/gpu_check_h200.md). Larger targets usually reach a higher MFU,
+so the estimate errs long; ``--mfu`` replaces it. GPU peaks are the vendors' dense (no sparsity) bf16
+datasheet figures. ``free_bytes`` / ``require_disk`` are the disk checks prepare-features and train run.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_MFU = 0.30
+DEFAULT_MFU = 0.17  # measured once: see the module doc
 # name: (dense bf16 TFLOP/s, memory GiB, source)
 GPUS: dict[str, tuple[float, float, str]] = {
     "H100": (989.0, 80, "NVIDIA H100 SXM5 datasheet: 989 TFLOPS bf16 dense, 80 GB HBM3"),
@@ -105,16 +107,17 @@ class Drafter:
     n_aux: int  # aux hidden states in the feature cache
 
 
-def drafter_shape(recipe, t: Shape, student=None) -> Drafter:
+def drafter_shape(recipe, t: Shape, student=None, seq: float = 0.0) -> Drafter:
+    """The drafter's size, its training FLOPs per token (`seq` = tokens per row, for attention) and memory."""
     d = recipe.drafter
     if d.kind == "eagle3":
         e = d.eagle3
         layer = t.layer(2, e.intermediate_size, e.num_attention_heads)
-        head = e.draft_vocab_size * t.hidden
-        p = 3 * t.hidden * t.hidden + e.num_layers * layer + head
-        frozen = head if e.freeze_lm_head else 0
+        head, fc = e.draft_vocab_size * t.hidden, 3 * t.hidden * t.hidden
+        p = fc + e.num_layers * layer + head
         k = e.ttt_steps
-        return Drafter(p, p - frozen, k * (6 * (p - frozen) + 4 * frozen), 4 * (t.vocab + 2 * k * e.draft_vocab_size),
+        flops = 6 * fc + k * (6 * (p - fc) + 12 * e.num_layers * t.hidden * seq)
+        return Drafter(p, p - (head if e.freeze_lm_head else 0), flops, 4 * (t.vocab + 2 * k * e.draft_vocab_size),
                        k * (10 * t.hidden + 3 * (e.intermediate_size or t.inter)) * 2, 3)
     if d.kind == "medusa":
         m = d.medusa
@@ -123,8 +126,8 @@ def drafter_shape(recipe, t: Shape, student=None) -> Drafter:
     s = student or t  # draft LM: its own config, or a layer subset of the target
     layers = len(d.draft.init.split(":", 1)[1].split(",")) if d.draft.init.startswith("layers:") else s.layers
     p = layers * s.layer() + s.vocab * s.hidden * (1 if s.tied else 2)
-    return Drafter(p, p, 6 * (layers * s.layer() + s.vocab * s.hidden), 4 * 4 * t.vocab,
-                   layers * (10 * s.hidden + 3 * s.inter) * 2, 0)
+    flops = 6 * (layers * s.layer() + s.vocab * s.hidden) + 12 * layers * s.hidden * seq
+    return Drafter(p, p, flops, 4 * 4 * t.vocab, layers * (10 * s.hidden + 3 * s.inter) * 2, 0)
 
 
 # ---- disk --------------------------------------------------------------------------------------------
@@ -186,6 +189,11 @@ def memory_per_gpu(recipe, t: Shape, d: Drafter, gpus: int) -> dict[str, float]:
             "zero3": target / gpus + 16.0 * d.params / gpus + act}
 
 
+def target_forward(t: Shape, seq: float) -> float:
+    """FLOPs per token of the target's decoder layers (the lm_head is the teacher logits' part)."""
+    return 2 * t.layers * t.layer() + 4 * t.layers * t.hidden * seq
+
+
 @dataclass
 class Estimate:
     shape: Shape
@@ -200,10 +208,10 @@ class Estimate:
 def estimate(recipe, cfg, data: DataSize, hw: Hardware, mfu: float = DEFAULT_MFU, student_cfg=None) -> Estimate:
     """Steps, tokens, FLOPs and wall time of a run (the formulas of the module doc)."""
     tr, t = recipe.training, Shape.of(cfg)
-    d = drafter_shape(recipe, t, Shape.of(student_cfg) if student_cfg is not None else None)
+    d = drafter_shape(recipe, t, Shape.of(student_cfg) if student_cfg is not None else None, data.mean_tokens)
     steps = tr.max_steps if tr.max_steps > 0 else tr.epochs * (data.train_rows // tr.global_batch_size)
     tokens = steps * tr.global_batch_size * data.mean_tokens
-    teacher = 2 * t.vocab * t.hidden if tr.features == "offline" else 2 * t.matmul()
+    teacher = 2 * t.vocab * t.hidden + (0 if tr.features == "offline" else target_forward(t, data.mean_tokens))
     flops = teacher + d.train_flops
     return Estimate(t, d, steps, tokens, teacher, flops, tokens * flops / (hw.gpus * hw.peak_flops * mfu))
 
@@ -219,7 +227,7 @@ def plan_lines(recipe, cfg, data: DataSize, hw: Hardware, mfu: float = DEFAULT_M
     rate = hw.gpus * hw.peak_flops * mfu
     cache_tokens = (data.train_rows + data.heldout_rows) * data.mean_tokens
     bpt = bytes_per_token(t.hidden, d.n_aux, recipe.features.dtype)
-    cache, feat_wall = cache_tokens * bpt, cache_tokens * 2 * t.matmul() / rate
+    cache, feat_wall = cache_tokens * bpt, cache_tokens * target_forward(t, data.mean_tokens) / rate
     where = tr.feature_cache or recipe.data.cache_dir
     free_cache, free_out = free_bytes(where), free_bytes(recipe.output_dir)
     weights, step = checkpoint_bytes(d.params, d.trained)
@@ -237,13 +245,14 @@ def plan_lines(recipe, cfg, data: DataSize, hw: Hardware, mfu: float = DEFAULT_M
         + (f"grad accumulation {accum:g} (micro {tr.micro_batch_size} x {hw.gpus} GPUs)" if accum == int(accum)
            else f"global batch {tr.global_batch_size} is not divisible by micro {tr.micro_batch_size} x {hw.gpus}"),
         f"  tokens trained: {est.tokens / 1e6:.1f} M; FLOPs/token {_g(est.flops_per_token)} = "
-        f"{'teacher logits 2*V*H' if offline else 'target forward 2*P_target'} {_g(est.teacher_flops)} + "
+        f"{'teacher logits 2*H*V' if offline else 'target forward + teacher logits'} {_g(est.teacher_flops)} + "
         f"drafter fwd/bwd {_g(d.train_flops)} ({d.params / 1e6:.1f} M params, {d.trained / 1e6:.1f} M trained)",
         f"  wall time ~{_hours(est.wall_s)}, {hw.gpus * est.wall_s / 3600:.1f} GPU-hours = tokens x FLOPs/token / "
-        f"({hw.gpus} x {hw.peak_flops / 1e12:.0f} TFLOP/s x MFU {mfu:.2f}, assumed: --mfu)",
+        f"({hw.gpus} x {hw.peak_flops / 1e12:.0f} TFLOP/s x MFU {mfu:.2f}" + (
+            ", measured once on one H200: spectrain/plan.py)" if mfu == DEFAULT_MFU else ", --mfu)"),
         f"  feature cache ({'used: training.features=offline' if offline else 'only if training.features=offline'}): "
         f"~{_gib(cache)} ({recipe.features.dtype}, {bpt} B/token), {_gib(free_cache)} free at "
-        f"{where}; prepare-features ~{_hours(feat_wall)} (target forward 2*P_target per token)",
+        f"{where}; prepare-features ~{_hours(feat_wall)} (the target forward per token)",
         f"  checkpoints: {_gib(weights)} per weights dir, {_gib(step)} per resumable step-N/; "
         f"~{_gib(ckpt_need)} in all (keep_checkpoints {tr.keep_checkpoints}), {_gib(free_out)} free "
         f"at {recipe.output_dir}",

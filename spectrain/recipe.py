@@ -459,7 +459,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise ValueError(f"{path}: {e}") from None
 
 
-def check_main(recipe_path: str, overrides: list[str], plan: str = "", mfu: float = 0.3) -> int:
+def check_main(recipe_path: str, overrides: list[str], plan: str = "", mfu: float | None = None) -> int:
     """`spectrain check` (spectrain/check.py: everything `train` would refuse that the recipe, the target's
     config and tokenizer and a data sample can show)."""
     from spectrain.check import main

@@ -14,7 +14,7 @@ from test_train import make_rows, tiny_recipe
 from spectrain import check
 from spectrain import train as T
 from spectrain.features import main as features_main
-from spectrain.plan import DataSize, Shape, drafter_shape, parse_hardware, plan_lines
+from spectrain.plan import DEFAULT_MFU, DataSize, Shape, drafter_shape, estimate, parse_hardware, plan_lines
 from spectrain.recipe import load_recipe
 
 Usage = namedtuple("Usage", "total used free")
@@ -48,13 +48,27 @@ def test_shapes_match_the_documented_arithmetic():
     assert round(drafter_shape(load_recipe("medusa"), t).params / 1e9, 2) == 2.17
 
 
+def test_flops_reproduce_the_measured_gpu_check_point():
+    """docs/gpu_check_h200.md: EAGLE-3 on a synthetic Llama-3.2-1B-shaped target, micro 4 x 2048, TTT 7,
+    19,376 tokens/s = 169.3 TFLOP/s on one H200; the plan's formula must give the same FLOPs per token."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)
+    r = load_recipe("eagle3", ["drafter.eagle3.ttt_steps=7", "training.max_steps=1", "training.global_batch_size=4",
+                               "training.micro_batch_size=4"])
+    est = estimate(r, cfg, DataSize(4, 0, 2048), parse_hardware("1xH200"))
+    assert abs(est.flops_per_token * 19376 / 1e12 - 169.3) < 1.0
+    assert abs(est.flops_per_token * 19376 / 989e12 - DEFAULT_MFU) < 0.002  # the default MFU is that point
+
+
 def test_plan_for_the_8b_recipe(monkeypatch):
     _free(monkeypatch, 10 * 2**40)
     lines, problems = plan_lines(load_recipe("eagle3"), _llama8b(), DataSize(200_000, 2_000, 1200), parse_hardware("8xH100"))
     text = "\n".join(lines)
     assert not problems and "ESTIMATES" in text
     assert "9375 optimizer steps = 3 epochs x (200000 rows // global batch 64); grad accumulation 4" in text
-    assert "tokens trained: 720.0 M" in text and "GPU-hours" in text and "MFU 0.30" in text
+    assert "tokens trained: 720.0 M" in text and "GPU-hours" in text and "MFU 0.17, measured once" in text
     assert "memory per GPU: ddp ~33.2 GiB, zero2 ~29.6 GiB" in text  # recipes/README.md: ~30 GiB at micro 2
 
 

@@ -73,5 +73,5 @@ def test_header_commands_are_valid(name, path, monkeypatch, capsys):
             monkeypatch.setattr(check, "_check_data", lambda r, tok: [])
             monkeypatch.setattr(plan, "data_size", lambda r, tok: plan.DataSize(50_000, 500, 1200))
             monkeypatch.setattr(check, "_student_config", lambda r: LlamaConfig(**STUDENT) if r.drafter.draft.model else None)
-        rc = check.main(args.recipe, args.overrides, getattr(args, "plan", ""), getattr(args, "mfu", 0.3))
+        rc = check.main(args.recipe, args.overrides, getattr(args, "plan", ""), getattr(args, "mfu", None))
         assert rc == 0, f"{name}: `spectrain {' '.join(argv)}` fails check: {capsys.readouterr().err}"
