@@ -133,7 +133,7 @@ def start_line(recipe, world: int, cuda_devices: int, gpu_name: str, why: str) -
 
 def _steps_and_eta(recipe, world: int, gpu_name: str, cuda_devices: int) -> tuple[str, str]:
     from spectrain.data import is_heldout, load_conversations
-    from spectrain.plan import DEFAULT_MFU, GPUS, Hardware, data_size, estimate, gpu_from_device_name
+    from spectrain.plan import DEFAULT_MFU, data_size, estimate, gpu_from_device_name, parse_hardware
 
     t, d = recipe.training, recipe.data
     gpu = gpu_from_device_name(gpu_name) if cuda_devices else None
@@ -148,8 +148,7 @@ def _steps_and_eta(recipe, world: int, gpu_name: str, cuda_devices: int) -> tupl
     cfg = AutoConfig.from_pretrained(src, trust_remote_code=trc)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     ds = data_size(recipe, AutoTokenizer.from_pretrained(src, trust_remote_code=trc))
-    tflops, mem, _ = GPUS[gpu]
-    hw = Hardware(world, gpu, tflops * 1e12, mem * 2**30)
+    hw = parse_hardware(f"{world}x{gpu}")
     steps = t.max_steps or t.epochs * (ds.train_rows // t.global_batch_size)
     seconds = estimate(recipe, cfg, ds, hw).wall_s
     return f"~{steps}", f"~{seconds / 3600:.1f} h (estimate: {world}x{gpu} at MFU {DEFAULT_MFU}; `spectrain check " \
