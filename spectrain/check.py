@@ -1,11 +1,14 @@
-"""`spectrain check RECIPE [a.b=value ...]`: print the resolved recipe, then run every check `train` would
-run that needs only the recipe, the target's config and tokenizer and a data sample (the same functions:
-recipe validation, draft layer ranges, precision, trackers, the feature cache's presence ...). A failure is
-one `FAILED:` line and exit status 2.
+"""`spectrain check RECIPE [--plan 8xH100 [--mfu 0.17]] [a.b=value ...]`: print the resolved recipe, then run
+every check `train` would run that needs only the recipe, the target's config and tokenizer and a data sample
+(the same functions: recipe validation, draft layer ranges, precision, trackers, the feature cache's
+presence ...). A failure is one `FAILED:` line and exit status 2. ``--plan`` adds the cost plan
+(spectrain/plan.py: rows, tokens, steps, wall time, GPU-hours, cache and checkpoint sizes against free disk,
+memory per GPU) and fails when the cache or the checkpoints cannot fit the disk.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -92,10 +95,48 @@ def _check_data(r: Recipe, tok) -> list[str]:
             f"first reply under the mask: {reply[:70]!r}"]
 
 
-def main(recipe_path: str, overrides: list[str]) -> int:
+def add_check_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from spectrain.plan import DEFAULT_MFU, GPUS
+
+    p.add_argument("--plan", default="", metavar="NxGPU",
+                   help=f"also print a cost plan for N GPUs of a kind ({', '.join(GPUS)}), e.g. 8xH100")
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                   help=f"model FLOPs utilisation the plan assumes (default {DEFAULT_MFU}: measured once, one H200 "
+                        "EAGLE-3 run on a 1.24B target; see spectrain/plan.py)")
+    return p
+
+
+def _student_config(r: Recipe):
+    """A draft LM's own config (its size), or None for the other drafters and a layer subset of the target."""
+    if r.drafter.kind != "draft" or not r.drafter.draft.model:
+        return None
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(r.drafter.draft.model, trust_remote_code=r.target.trust_remote_code)
+
+
+def _plan(r: Recipe, cfg, tok, hardware: str, mfu: float | None) -> list[str]:
+    """The plan's lines; raises ValueError with its problems (a cache or checkpoints that cannot fit)."""
+    from spectrain.plan import DEFAULT_MFU, data_size, parse_hardware, plan_lines
+
+    mfu = DEFAULT_MFU if mfu is None else mfu
+    if not 0 < mfu <= 1:
+        raise ValueError(f"--mfu {mfu}: give a fraction in (0, 1], e.g. 0.3")
+    lines, problems = plan_lines(r, cfg, data_size(r, tok), parse_hardware(hardware), mfu, _student_config(r))
+    if problems:
+        print("\n".join(lines))
+        raise ValueError("plan: " + "; ".join(problems))
+    return lines
+
+
+def main(recipe_path: str, overrides: list[str], plan: str = "", mfu: float | None = None) -> int:
     """`spectrain check`: print the resolved recipe, then verify target, tokenizer and a data sample."""
     try:
         r = load_recipe(recipe_path, overrides)
+        if plan:
+            from spectrain.plan import parse_hardware
+
+            parse_hardware(plan)  # a bad --plan fails before anything loads
     except (ValueError, OSError) as e:
         return _fail(str(e))
     print(r.to_yaml().rstrip())
@@ -112,6 +153,7 @@ def main(recipe_path: str, overrides: list[str]) -> int:
                   "`spectrain eval --drafter ngram`")
         cfg, tok = _check_target(r)
         data_lines = _check_data(r, tok)
+        plan_lines = _plan(r, cfg, tok, plan, mfu) if plan else []
     except (ValueError, OSError) as e:
         return _fail(str(e))
     print(f"OK target {r.target.name_or_path}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
@@ -121,4 +163,6 @@ def main(recipe_path: str, overrides: list[str]) -> int:
     for line in data_lines:
         print(f"OK {line}")
     print(f"OK recipe {recipe_path} ({r.drafter.kind}, loss {r.drafter.loss}) -> {r.output_dir}")
+    for line in plan_lines:
+        print(line)
     return 0

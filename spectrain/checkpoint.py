@@ -54,6 +54,8 @@ _HASH_EXEMPT = {
     ("training", "keep_checkpoints"), ("training", "num_workers"), ("training", "feature_cache"),
     ("training", "max_nan_steps"),
     ("data", "cache_dir"), ("tracking",), ("launch",), ("output_dir",),
+    # used by `regenerate` and `prepare-features` only (a cache records its own dtype in its manifest)
+    ("data", "chat_template_kwargs"), ("features",),
     # the run's length may grow on resume (an extended run; the schedule rule: README, "Resume")
     ("training", "max_steps"), ("training", "epochs"),
 }

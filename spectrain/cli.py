@@ -14,7 +14,8 @@ import sys
 
 # name -> (one-line help, "module:function" adding the command's options or None, takes a recipe)
 COMMANDS: dict[str, tuple[str, str | None, bool]] = {
-    "check": ("validate a recipe, load target config/tokenizer/data sample, print it", None, True),
+    "check": ("validate a recipe, load target config/tokenizer/data sample, print it; --plan 8xH100: a cost plan",
+              "spectrain.check:add_check_args", True),
     "train": ("train the recipe's drafter (one process, or --nproc N through accelerate launch)",
               "spectrain.launch:add_launch_args", True),
     "prepare-features": ("write the offline target-feature cache for a recipe", None, True),
@@ -48,12 +49,23 @@ def _top_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _features_keys() -> str:
+    import dataclasses
+
+    from spectrain.recipe import FeaturesConfig
+
+    return ", ".join(f"features.{f.name}={f.default}" + (" (bf16|fp32|fp8)" if f.name == "dtype" else "")
+                     for f in dataclasses.fields(FeaturesConfig))
+
+
 def command_parser(name: str) -> argparse.ArgumentParser:
     """The full parser of one command (imports only that command's module)."""
     help_text, adder, takes_recipe = COMMANDS[name]
-    p = argparse.ArgumentParser(prog=f"spectrain {name}", description=help_text, epilog=(
-        "a.b=value: typed recipe overrides (e.g. training.lr=1e-4), anywhere after the recipe" if takes_recipe
-        else None))
+    epilog = "a.b=value: typed recipe overrides (e.g. training.lr=1e-4), anywhere after the recipe" \
+        if takes_recipe else None
+    if name == "prepare-features":
+        epilog += "; the cache's own keys (recipe section features:): " + _features_keys()
+    p = argparse.ArgumentParser(prog=f"spectrain {name}", description=help_text, epilog=epilog)
     if takes_recipe:
         p.add_argument("recipe", help=RECIPE_HELP)
     if adder:
@@ -103,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
     if cmd == "check":
         from spectrain.recipe import check_main
 
-        return check_main(args.recipe, args.overrides)
+        return check_main(args.recipe, args.overrides, args.plan, args.mfu)
     if cmd == "train":
         from spectrain.launch import train_command
 

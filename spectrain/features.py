@@ -1,7 +1,7 @@
 """Offline target-feature cache: run the frozen target once, train many times.
 
 ``spectrain prepare-features RECIPE [features.dtype=bf16|fp32|fp8] [features.shard_mb=1024]
-[features.batch_size=8]`` writes, under ``training.feature_cache``::
+[features.batch_size=8]`` (the recipe's ``features:`` section; ``spectrain check`` validates it) writes, under ``training.feature_cache``::
 
     manifest.json                    target fingerprint, aux layer ids, sizes, dtype, data hash, shards
     train-00000.safetensors ...      one split = consecutive rows, packed without padding
@@ -24,6 +24,7 @@ manifest after each shard, so an interrupted run resumes by skipping the finishe
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import json
 import os
@@ -386,23 +387,19 @@ class FeatureCache:
         return counts
 
 
-FEATURE_OPTIONS = {"dtype": str, "shard_mb": float, "batch_size": int}
+def _require_cache_disk(out: str, splits: dict, per_token: int, verbose: bool) -> None:
+    """Say what the cache will take and refuse to start when its disk cannot hold it (shards already
+    written by an interrupted run count as done)."""
+    from spectrain.plan import free_bytes, require_disk
 
-
-def _split_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
-    opts, rest = {"dtype": "bf16", "shard_mb": 1024.0, "batch_size": 8}, []
-    for o in overrides:
-        key, sep, value = o.partition("=")
-        if not key.startswith("features."):
-            rest.append(o)
-            continue
-        name = key[len("features."):]
-        if not sep or name not in FEATURE_OPTIONS:
-            raise ValueError(f"bad option {o!r}: use features.<{'|'.join(FEATURE_OPTIONS)}>=VALUE")
-        opts[name] = FEATURE_OPTIONS[name](value)
-    if opts["dtype"] not in STORE_DTYPES:
-        raise ValueError(f"features.dtype={opts['dtype']!r}: use one of {', '.join(STORE_DTYPES)}")
-    return opts, rest
+    tokens = sum(len(r["input_ids"]) for rows in splits.values() for r in rows)
+    done = sum(f.stat().st_size for f in Path(out).glob("*.safetensors")) if Path(out).is_dir() else 0
+    need = max(0, tokens * per_token - done)
+    if verbose:
+        print(f"features: {tokens} tokens x {per_token} bytes/token = {tokens * per_token / 2**30:.2f} GiB to {out} "
+              f"({done / 2**30:.2f} GiB already there, {free_bytes(out) / 2**30:.1f} GiB free)", flush=True)
+    require_disk(out, need, "the feature cache", "point training.feature_cache at a larger disk, lower "
+                 "data.max_rows, or use features.dtype=fp8 (5H + 9 bytes per token instead of 8H + 5)")
 
 
 def _process_group():
@@ -428,8 +425,8 @@ def main(recipe_path: str, overrides: list[str]) -> int:
     from spectrain.recipe import load_recipe
     from spectrain.target import load_target
 
-    opts, rest = _split_overrides(overrides)
-    recipe = load_recipe(recipe_path, rest)
+    recipe = load_recipe(recipe_path, overrides)  # features.dtype / shard_mb / batch_size are recipe keys
+    opts = dataclasses.asdict(recipe.features)
     out = recipe.training.feature_cache
     if not out:
         raise ValueError("training.feature_cache is empty: set the cache directory, e.g. "
@@ -450,7 +447,9 @@ def main(recipe_path: str, overrides: list[str]) -> int:
         splits[split] = build_dataset(recipe.data, target.tokenizer, split, verbose=rank == 0)
         if rank == 0:
             barrier()
-    manifest, stats = write_feature_cache(target, splits, out, aux_layers_for(recipe, target), opts["dtype"],
+    aux = aux_layers_for(recipe, target)
+    _require_cache_disk(out, splits, bytes_per_token(target.hidden_size, len(aux), opts["dtype"]), rank == 0)
+    manifest, stats = write_feature_cache(target, splits, out, aux, opts["dtype"],
                                           recipe.data.max_length, opts["shard_mb"], opts["batch_size"],
                                           rank=rank, world=world, barrier=barrier)
     total = sum(sh["bytes"] for s in manifest["splits"].values() for sh in s["shards"])

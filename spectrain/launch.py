@@ -4,8 +4,13 @@ One process trains in place. With ``--nproc N`` (N > 1), ``--accelerate-config``
 ``launch:`` section, the command starts ``accelerate launch ... -m spectrain train RECIPE`` itself,
 like axolotl / TRL / torchtune do; the child processes see ``SPECTRAIN_LAUNCHED=1`` and train.
 
+- By default every visible CUDA device trains: on a machine with N > 1 GPUs ``spectrain train RECIPE``
+  starts N processes (the shipped ``ddp`` config), unless ``--nproc`` or the recipe's ``launch.nproc``
+  says otherwise (``--nproc 1``: one process). One start line says the world size, the gradient
+  accumulation, the optimizer steps and an ETA (an estimate: spectrain/plan.py, ``check --plan``).
 - NAME is a shipped config (``spectrain recipes`` lists them: ddp, zero2, zero3, fsdp, single,
-  cpu_ddp, multinode_ddp) or a path. Without one, N GPUs use the shipped ``ddp`` config.
+  cpu_ddp, multinode_ddp) or a path. Without one, N GPUs use the shipped ``ddp`` config. A DeepSpeed
+  config without DeepSpeed installed is refused in one line naming ``pip install 'spectrain[deepspeed]'``.
 - A shipped config's ``num_processes`` (8) is a placeholder: without --nproc the visible GPUs are used.
 - Without CUDA, N ranks go through the shipped ``cpu_ddp`` config plus ``ACCELERATE_USE_CPU=1``: the
   only accelerate path that really starts N gloo ranks on CPU (``--cpu --num_processes N`` and
@@ -33,7 +38,7 @@ _LAUNCHER_MARKERS = (LAUNCHED_ENV, "LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_MIXED
 def add_launch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=None,
                    help="processes to train on (GPUs, or CPU ranks without CUDA); > 1 starts accelerate launch "
-                        "(default: the recipe's launch.nproc, else 1)")
+                        "(default: the recipe's launch.nproc, else every visible GPU, else 1)")
     p.add_argument("--accelerate-config", default=None, metavar="NAME_OR_PATH",
                    help="a shipped accelerate config (ddp, zero2, zero3, fsdp, ...; `spectrain recipes`) or a "
                         "path; starts accelerate launch (default: the recipe's launch.accelerate_config)")
@@ -73,6 +78,8 @@ def plan_launch(recipe_arg: str, overrides: list[str], nproc: int | None, config
         raise ValueError(f"--nproc {nproc}: must be >= 1")
     nproc = nproc if nproc is not None else (launch.nproc or None)
     config = config if config is not None else launch.accelerate_config
+    if nproc is None and not config and cuda_devices > 1:
+        nproc = cuda_devices  # all the GPUs, as `accelerate launch` itself would
     if (nproc or 1) <= 1 and not config:
         return None
     shipped = accelerate_configs()
@@ -98,6 +105,60 @@ def plan_launch(recipe_arg: str, overrides: list[str], nproc: int | None, config
     if not cuda_devices:
         env["ACCELERATE_USE_CPU"] = "1"  # without it every CPU rank believes it is alone (world size 1)
     return cmd, env, procs
+
+
+def _require_engine(name: str, fields: dict) -> None:
+    """An accelerate config whose engine is not installed: one line with the install command."""
+    import importlib.util
+
+    if fields.get("distributed_type") == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
+        raise ValueError(f"accelerate config {name} uses DeepSpeed, which is not installed: "
+                         "pip install 'spectrain[deepspeed]' (or use --accelerate-config ddp / fsdp)")
+
+
+def start_line(recipe, world: int, cuda_devices: int, gpu_name: str, why: str) -> str:
+    """World size, accumulation, optimizer steps and an ETA (estimated) in one line; raises ValueError when
+    the global batch does not divide over `world` processes."""
+    t = recipe.training
+    accum = t.grad_accum(world)
+    steps, eta = f"{t.max_steps}" if t.max_steps else "?", "n/a (no CUDA)" if not cuda_devices else "n/a"
+    try:
+        steps, eta = _steps_and_eta(recipe, world, gpu_name, cuda_devices)
+    except Exception as e:  # an estimate must never stop a run (e.g. a hub dataset not reachable yet)
+        eta += f" ({type(e).__name__})"
+    return (f"spectrain train: world size {world} ({why}), grad accumulation {accum} (global "
+            f"{t.global_batch_size} = micro {t.micro_batch_size} x {world} x {accum}), {steps} optimizer steps, "
+            f"ETA {eta}")
+
+
+def _steps_and_eta(recipe, world: int, gpu_name: str, cuda_devices: int) -> tuple[str, str]:
+    from spectrain.data import is_heldout, load_conversations
+    from spectrain.plan import DEFAULT_MFU, data_size, estimate, gpu_from_device_name, parse_hardware
+
+    t, d = recipe.training, recipe.data
+    gpu = gpu_from_device_name(gpu_name) if cuda_devices else None
+    if gpu is None:  # steps from the row count alone (the ETA needs a GPU with a known peak)
+        rows, _ = load_conversations(d.train_files, d.format, d.max_rows)
+        train = sum(not is_heldout(r["id"], d.heldout_fraction) for r in rows)
+        steps = t.max_steps or t.epochs * (train // t.global_batch_size)
+        return f"~{steps}", "n/a (no CUDA)" if not cuda_devices else f"n/a ({gpu_name}: not in the plan's GPU table)"
+    from transformers import AutoConfig, AutoTokenizer
+
+    src, trc = recipe.target.name_or_path, recipe.target.trust_remote_code
+    cfg = AutoConfig.from_pretrained(src, trust_remote_code=trc)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    ds = data_size(recipe, AutoTokenizer.from_pretrained(src, trust_remote_code=trc))
+    hw = parse_hardware(f"{world}x{gpu}")
+    steps = t.max_steps or t.epochs * (ds.train_rows // t.global_batch_size)
+    seconds = estimate(recipe, cfg, ds, hw).wall_s
+    return f"~{steps}", f"~{seconds / 3600:.1f} h (estimate: {world}x{gpu} at MFU {DEFAULT_MFU}; `spectrain check " \
+        f"RECIPE --plan {world}x{gpu}` shows the formula)"
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
 
 
 def _cuda_devices() -> int:
@@ -130,9 +191,18 @@ def train_command(args: argparse.Namespace) -> int:
             os.environ.setdefault("ACCELERATE_USE_CPU", "1")
         return train_main(args.recipe, args.overrides)
     recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe fails here, before any process starts
-    wants = (args.nproc or recipe.launch.nproc or 1) > 1 or args.accelerate_config or recipe.launch.accelerate_config
-    plan = plan_launch(args.recipe, args.overrides, args.nproc, args.accelerate_config, recipe.launch,
-                       _cuda_devices() if wants else 0)
+    config = args.accelerate_config or recipe.launch.accelerate_config
+    if config:
+        from spectrain.resources import resolve_accelerate_config
+
+        _require_engine(config, _config_fields(resolve_accelerate_config(config)))
+    cuda = _cuda_devices()
+    plan = plan_launch(args.recipe, args.overrides, args.nproc, args.accelerate_config, recipe.launch, cuda)
+    procs = plan[2] if plan else 1
+    said = args.nproc is not None or recipe.launch.nproc or args.accelerate_config or recipe.launch.accelerate_config
+    why = ("--nproc / launch: / accelerate config" if said else
+           f"all {cuda} visible GPUs; --nproc 1 for one" if cuda > 1 else f"{cuda} GPU" if cuda else "no CUDA: CPU")
+    print(start_line(recipe, procs, cuda, _gpu_name() if cuda else "", why), file=sys.stderr, flush=True)
     if plan is None:
         return train_main(args.recipe, args.overrides)
     cmd, env, procs = plan

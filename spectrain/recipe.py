@@ -51,6 +51,9 @@ class DataConfig:
     max_rows: int = 0  # 0 = all rows
     heldout_rows: int = 64  # cap on the held-out split size
     cache_dir: str = ".cache/spectrain"
+    # extra arguments of the target's chat template when `spectrain regenerate` renders prompts (in-process)
+    # or asks a server (sent as the request's chat_template_kwargs), e.g. {enable_thinking: false} for Qwen3
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,8 +179,9 @@ class TrackingConfig:
 
 @dataclass
 class LaunchConfig:
-    """How `spectrain train` starts itself: N processes through `accelerate launch` (0 = one process,
-    unless --nproc says otherwise) and an accelerate config (a shipped name such as zero2, or a path)."""
+    """How `spectrain train` starts itself: N processes through `accelerate launch` (0 = every visible GPU,
+    one process without CUDA; 1 = one process; --nproc wins) and an accelerate config (a shipped name such
+    as zero2, or a path)."""
     nproc: int = 0
     accelerate_config: str = ""
 
@@ -190,6 +194,14 @@ class DeployConfig:
 
 
 @dataclass
+class FeaturesConfig:
+    """How `spectrain prepare-features` stores the offline cache (spectrain/features.py)."""
+    dtype: Literal["bf16", "fp32", "fp8"] = "bf16"  # fp8: aux states in float8 e4m3 + one scale per row
+    shard_mb: float = 1024.0  # target size of one shard file
+    batch_size: int = 8  # rows per target forward
+
+
+@dataclass
 class Recipe:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -198,6 +210,7 @@ class Recipe:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     deploy: DeployConfig = field(default_factory=DeployConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
     output_dir: str = "runs/tiny-eagle3"
 
     def to_dict(self) -> dict[str, Any]:
@@ -246,6 +259,16 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, list):
             value = [value]  # a single scalar stands for a one-element list (e.g. report_to=none)
         return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ValueError(f"{where}: expected a mapping of names to values (e.g. {{enable_thinking: false}}), "
+                             f"got {value!r}")
+        bad = [k for k, v in value.items() if not isinstance(v, (str, int, float, bool, type(None), list))]
+        if bad:
+            raise ValueError(f"{where}.{bad[0]}: give a plain value (string, number, true/false or a list)")
+        return dict(value)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ValueError(f"{where}: expected a mapping (section with keys), got {value!r}")
@@ -396,6 +419,8 @@ def validate(r: Recipe) -> Recipe:
     _require(len(set(rt)) == len(rt), f"tracking.report_to={rt} has duplicates")
     _require("none" not in rt or len(rt) == 1, "tracking.report_to: 'none' cannot be combined with other trackers")
     _require(len(r.output_dir) > 0, "output_dir is empty")
+    _require(r.features.shard_mb > 0 and r.features.batch_size >= 1,
+             f"features.shard_mb={r.features.shard_mb} / features.batch_size={r.features.batch_size} must be > 0")
     _require(r.launch.nproc >= 0, f"launch.nproc={r.launch.nproc} must be >= 0 (0 or 1 = one process)")
     _check_deploy(r)
     return r
@@ -503,9 +528,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise ValueError(f"{path}: {e}") from None
 
 
-def check_main(recipe_path: str, overrides: list[str]) -> int:
+def check_main(recipe_path: str, overrides: list[str], plan: str = "", mfu: float | None = None) -> int:
     """`spectrain check` (spectrain/check.py: everything `train` would refuse that the recipe, the target's
     config and tokenizer and a data sample can show)."""
     from spectrain.check import main
 
-    return main(recipe_path, overrides)
+    return main(recipe_path, overrides, plan, mfu)

@@ -17,6 +17,10 @@ to the conversation so far (earlier turns already regenerated), rendered by the 
 - Resumable, atomic: rows are appended to FILE.tmp (settings in FILE.tmp.meta.json), a restart skips the
   rows already there, FILE appears when all are done. Under torchrun rank r answers rows i % world == r
   into FILE.rank{r}.tmp and rank 0 merges them in input order once every rank's ``.done`` marker exists.
+- ``--server URL[,URL...]``: an OpenAI-compatible server (vLLM, SGLang) answers instead, ``--concurrency`` rows
+  at a time, with retries; rows it could not answer are counted as failed and retried by a rerun
+  (spectrain/regen_server.py). ``data.chat_template_kwargs`` / ``--chat-template-kwargs`` (e.g.
+  ``{"enable_thinking": false}`` for Qwen3) and ``--reasoning keep|strip`` apply to both paths.
 """
 
 from __future__ import annotations
@@ -44,8 +48,14 @@ class RegenConfig:
     seed: int = 0
     batch_size: int = 8
     n: int | None = None  # None = every conversation
+    chat_template_kwargs: dict = field(default_factory=dict)  # the recipe's data.chat_template_kwargs + the flag
+    reasoning: str = "keep"  # keep | strip <think>...</think> (spectrain/regen_server.py)
 
     def validate(self) -> RegenConfig:
+        from spectrain.regen_server import REASONING_MODES
+
+        if self.reasoning not in REASONING_MODES:
+            raise ValueError(f"--reasoning {self.reasoning}: use one of {', '.join(REASONING_MODES)}")
         for bad, msg in ((self.n is not None and self.n <= 0, f"--n {self.n}: must be > 0 (omit it for all rows)"),
                          (self.max_new_tokens <= 0, f"--max-new-tokens {self.max_new_tokens}: must be > 0"),
                          (self.temperature < 0, f"--temperature {self.temperature}: must be >= 0 (0 = greedy)"),
@@ -69,11 +79,14 @@ class RegenStats:
     tokens: int = 0  # generated tokens, stop tokens included
     gen_time_s: float = 0.0  # inside generation (tokens/s uses this)
     wall_s: float = 0.0  # the whole command: loading, templating, generation, files
+    failed: int = 0  # --server: rows with no answer after every retry (not written; a rerun retries them)
+    last_error: str = ""
 
     def lines(self) -> list[str]:
         tps = self.tokens / self.gen_time_s if self.gen_time_s > 0 else 0.0
+        failed = f", {self.failed} failed (server: {self.last_error})" if self.failed else ""
         return [f"regenerate: {self.written} rows written ({self.resumed} from an earlier run), "
-                f"{sum(self.skipped.values())} skipped, {self.shortened} shortened",
+                f"{sum(self.skipped.values())} skipped, {self.shortened} shortened{failed}",
                 f"  answers {self.answers}, truncated at max_new_tokens {self.truncated}, tokens generated "
                 f"{self.tokens} in {self.gen_time_s:.1f}s = {tps:.1f} tokens/s; wall {self.wall_s:.1f}s",
                 *(f"  skipped {n:6d}  {why}" for why, n in self.skipped.most_common())]
@@ -157,9 +170,9 @@ def generate_batch(target, prompts: list[list[int]], seeds: list[int], max_new: 
     return [(o, not s) for o, s in zip(out, stopped)]
 
 
-def _prompt_ids(tok, messages: list[dict]) -> list[int]:
+def _prompt_ids(tok, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
     # Same path as training: render to text, then encode without adding specials (the template has BOS).
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
@@ -179,7 +192,7 @@ def regenerate_batch(target, rows: list[dict], cfg: RegenConfig, stop: set[int],
             convs[k] += [dict(m) for m in r["messages"][done_through:todo[k][turn]]]
             why = ""
             try:
-                ids = _prompt_ids(tok, convs[k])
+                ids = _prompt_ids(tok, convs[k], cfg.chat_template_kwargs)
                 if limit is not None and len(ids) > limit - cfg.max_new_tokens:
                     why = f"prompt longer than max positions ({limit}) - max_new_tokens ({cfg.max_new_tokens})"
             except Exception as e:  # jinja raises its own types ("roles must alternate" ...)
@@ -199,6 +212,10 @@ def regenerate_batch(target, rows: list[dict], cfg: RegenConfig, stop: set[int],
             stats.tokens += len(ids) + (not truncated)
             # Keep every token the target wrote, spaces included, so that training sees its exact text.
             text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if cfg.reasoning == "strip":
+                from spectrain.regen_server import apply_reasoning
+
+                text = apply_reasoning(text, "", "strip")
             if not text.strip():  # training drops rows with an empty turn; end the conversation before it
                 _stop_row(convs, todo, k, turn, "empty answer", stats)
                 continue
@@ -326,14 +343,20 @@ def _check_out(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
-def _load(recipe, n: int | None, world: int):
-    """The recipe's conversations (read as training reads them) and the frozen target."""
+def _load_rows(recipe, n: int | None):
+    """The recipe's conversations, read as training reads them."""
+    from spectrain.data import load_conversations
+
+    limit = min(x for x in (n, recipe.data.max_rows) if x) if n or recipe.data.max_rows else 0
+    return load_conversations(recipe.data.train_files, recipe.data.format, limit)
+
+
+def _load_target(recipe, world: int):
+    """The frozen target, after checking (from the tokenizer alone) that it can build prompts."""
     from transformers import AutoTokenizer
 
-    from spectrain.data import load_conversations
-    from spectrain.target import load_target
-
     from spectrain.gguf_target import resolve_target_path
+    from spectrain.target import load_target
 
     t = recipe.target
     src = resolve_target_path(t.name_or_path, t.gguf_file)
@@ -341,16 +364,15 @@ def _load(recipe, n: int | None, world: int):
     if not getattr(tok, "chat_template", None):  # checked before loading the weights
         raise ValueError(f"target {t.name_or_path!r} has no chat template, so prompts cannot be built: use an "
                          "instruct/chat model or add chat_template to its tokenizer_config.json")
-    limit = min(x for x in (n, recipe.data.max_rows) if x) if n or recipe.data.max_rows else 0
-    rows, report = load_conversations(recipe.data.train_files, recipe.data.format, limit)
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() and world > 1 else None
-    target = load_target(t.name_or_path, gguf_file=t.gguf_file, dtype=t.dtype, device=device, device_map=t.device_map or None,
-                         trust_remote_code=t.trust_remote_code)
-    return rows, report, target
+    return load_target(t.name_or_path, gguf_file=t.gguf_file, dtype=t.dtype, device=device,
+                       device_map=t.device_map or None, trust_remote_code=t.trust_remote_code)
 
 
-def regenerate(recipe_path: str, overrides: list[str], out: str | Path, cfg: RegenConfig) -> RegenStats:
-    """Write the regenerated conversations of a recipe's data to `out` (see the module doc)."""
+def regenerate(recipe_path: str, overrides: list[str], out: str | Path, cfg: RegenConfig,
+               server=None) -> RegenStats:
+    """Write the regenerated conversations of a recipe's data to `out` (see the module doc). `server`: a
+    regen_server.ServerConfig to ask an OpenAI-compatible server instead of decoding in this process."""
     from spectrain.recipe import load_recipe
 
     t_start = time.perf_counter()
@@ -358,17 +380,33 @@ def regenerate(recipe_path: str, overrides: list[str], out: str | Path, cfg: Reg
     out = Path(out)
     _check_out(out)
     recipe = load_recipe(recipe_path, overrides)
+    cfg.chat_template_kwargs = {**recipe.data.chat_template_kwargs, **cfg.chat_template_kwargs}  # the flag wins
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    rows, report, target = _load(recipe, cfg.n, world)
+    if server is not None and world > 1:
+        raise ValueError("--server: run one client process (it sends --concurrency requests at once), not "
+                         f"{world} ranks under a launcher")
+    rows, report = _load_rows(recipe, cfg.n)
     stats = RegenStats()
     meta = {"target": recipe.target.name_or_path, "dtype": recipe.target.dtype, "format": recipe.data.format,
             "train_files": list(recipe.data.train_files), "max_rows": recipe.data.max_rows,
             "world_size": world, **asdict(cfg)}
+    if server is not None:  # the URLs and the concurrency may change between runs; who answers may not
+        meta.update(dtype="server", server_model=server.model)
     part = out.with_name(f"{out.name}.rank{rank}.tmp" if world > 1 else f"{out.name}.tmp")
     marker = part.with_suffix(".done")
     marker.unlink(missing_ok=True)
     _check_meta(part, meta)
-    _write_part(target, rows[rank::world], part, cfg, stats)
+    if server is not None:
+        from spectrain.regen_server import ChatClient, write_part_server
+
+        write_part_server(ChatClient(server), rows, part, cfg, stats)
+        if stats.failed:
+            stats.wall_s = time.perf_counter() - t_start
+            print("\n".join(stats.lines()) + f"\nregenerate: {stats.failed} rows got no answer; {out} not written. "
+                  f"Rerun the same command to retry them ({part} keeps the finished rows)", flush=True)
+            return stats
+    else:
+        _write_part(_load_target(recipe, world), rows[rank::world], part, cfg, stats)
     counts = {k: getattr(stats, k) for k in _RANK_COUNTS}
     marker.write_text(json.dumps({"meta": meta, "counts": counts}))  # written last: this part is complete
     if rank != 0:
@@ -398,15 +436,49 @@ def add_regenerate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (a row's stream: seed, id, turn)")
     p.add_argument("--batch-size", type=int, default=8, help="conversations decoded together (default 8)")
+    p.add_argument("--chat-template-kwargs", default="{}", metavar="JSON",
+                   help='extra chat-template arguments, e.g. \'{"enable_thinking": false}\' (merged over the '
+                        "recipe's data.chat_template_kwargs; sent to a server as chat_template_kwargs)")
+    p.add_argument("--reasoning", choices=("keep", "strip"), default="keep",
+                   help="keep (default) the target's <think>...</think> reasoning in the answers (a server's "
+                        "reasoning_content is put back in front), or strip it")
+    s = p.add_argument_group("server (an OpenAI-compatible vLLM / SGLang endpoint decodes instead of this process)")
+    s.add_argument("--server", default="", metavar="URL[,URL...]",
+                   help="server roots or /v1/chat/completions URLs, used round-robin")
+    s.add_argument("--server-model", default="", help="the served model name (default: the recipe's target)")
+    s.add_argument("--concurrency", type=int, default=64, help="rows in flight at once (default 64)")
+    s.add_argument("--retries", type=int, default=5, help="retries per request with backoff (default 5)")
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     return p
+
+
+def _template_kwargs(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-kwargs {text!r} is not JSON ({e}); e.g. '{{\"enable_thinking\": false}}'"
+                         ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--chat-template-kwargs {text!r}: give a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return value
 
 
 def main(args: argparse.Namespace) -> int:
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                      batch_size=args.batch_size, n=args.n)
+                      batch_size=args.batch_size, n=args.n, reasoning=args.reasoning,
+                      chat_template_kwargs=_template_kwargs(args.chat_template_kwargs))
+    server = None
+    if args.server:
+        from spectrain.recipe import load_recipe
+        from spectrain.regen_server import ServerConfig
+
+        model = args.server_model or load_recipe(args.recipe, args.overrides).target.name_or_path
+        server = ServerConfig(urls=[u for u in args.server.split(",") if u.strip()], model=model,
+                              concurrency=args.concurrency, retries=args.retries, timeout_s=args.timeout).validate()
     try:
-        regenerate(args.recipe, args.overrides, args.out, cfg)
+        kw = {"server": server} if server is not None else {}
+        stats = regenerate(args.recipe, args.overrides, args.out, cfg, **kw)
     except KeyboardInterrupt:
         print(f"regenerate: interrupted; rerun the same command to resume from {args.out}.tmp", flush=True)
         return 130
-    return 0
+    return 1 if getattr(stats, "failed", 0) else 0  # rows the server never answered: rerun to retry them

@@ -438,6 +438,11 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
 
     run = setup(recipe, target, train_rows, heldout_rows)
     acc, t = run.acc, recipe.training
+    from spectrain.plan import require_train_disk
+
+    n = lambda ps: sum(getattr(p, "ds_numel", p.numel()) for p in ps)  # noqa: E731 (ZeRO-3: the full size)
+    require_train_disk(run.out, n(run.drafter.parameters()), n(run.params),
+                       t.keep_checkpoints)
     saved = ckpt.resume(acc, run.out, t.resume_from, recipe.to_dict(), run.metrics_path, run.sched)
     if saved is not None:
         run.state = {k: saved[k] for k in run.state}

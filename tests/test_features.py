@@ -124,8 +124,10 @@ def test_main_writes_both_splits(target, tmp_path, monkeypatch, capsys):
     m = json.loads((out / "manifest.json").read_text())
     assert m["aux_layers"] == [1, 4, 6] and m["dtype"] == "fp8" and set(m["splits"]) == {"train", "heldout"}
     assert "bytes/token" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="features.<"):
+    with pytest.raises(ValueError, match="unknown key 'bogus' in section 'features'"):
         main(RECIPE, ["features.bogus=1"])
+    with pytest.raises(ValueError, match="features.dtype: 'fp4' is not one of bf16, fp32, fp8"):
+        main(RECIPE, ["features.dtype=fp4"])
 
 
 def test_bytes_per_token_documented_numbers():

@@ -111,3 +111,45 @@ def test_two_cpu_ranks(tmp_path):
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # no ACCELERATE_USE_CPU
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads((tmp_path / "runs/b/run_info.json").read_text())["world_size"] == 2
+
+
+def _train_args(*overrides: str, nproc=None, config=None):
+    return type("A", (), {"recipe": "tiny/eagle3", "overrides": list(overrides), "nproc": nproc,
+                          "accelerate_config": config})()
+
+
+def test_all_visible_gpus_by_default_with_a_start_line(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr("spectrain.train.main", lambda recipe, ov: calls.append(("in-place", recipe)) or 0)
+    monkeypatch.setattr(L, "run_launch", lambda cmd, env: calls.append(("launched", cmd)) or 0)
+    monkeypatch.setattr(L, "_cuda_devices", lambda: 8)  # 8 fake CUDA devices
+    monkeypatch.setattr(L, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    for k in L._LAUNCHER_MARKERS:
+        monkeypatch.delenv(k, raising=False)
+    batch = ("training.global_batch_size=64", "training.micro_batch_size=2", "data.max_rows=400")
+    assert L.train_command(_train_args(*batch)) == 0
+    kind, cmd = calls[-1]
+    assert kind == "launched" and _flag(cmd, "--num_processes") == "8"
+    assert Path(_flag(cmd, "--config_file")).name == "ddp.yaml"
+    line = capsys.readouterr().err.splitlines()[0]
+    assert line.startswith("spectrain train: world size 8 (all 8 visible GPUs; --nproc 1 for one), grad "
+                           "accumulation 4 (global 64 = micro 2 x 8 x 4), ~800 optimizer steps, ETA ~")
+    assert "estimate: 8xH100 at MFU" in line and "--plan 8xH100" in line
+    assert L.train_command(_train_args(*batch, nproc=1)) == 0 and calls[-1] == ("in-place", "tiny/eagle3")
+    assert "world size 1 (--nproc" in capsys.readouterr().err
+    assert L.train_command(_train_args(*batch, "launch.nproc=1")) == 0 and calls[-1][0] == "in-place"
+    capsys.readouterr()
+    with pytest.raises(ValueError, match="not divisible by micro_batch_size"):  # 8 rows over 8 GPUs x micro 4
+        L.train_command(_train_args())
+
+
+def test_a_missing_engine_is_one_line_with_the_install_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    monkeypatch.setattr(L, "run_launch", lambda cmd, env: 0)
+    with pytest.raises(ValueError, match=r"zero2 uses DeepSpeed, which is not installed: pip install 'spectrain\[deepspeed\]'"):
+        L.train_command(_train_args(config="zero2"))
+    with pytest.raises(ValueError, match="pip install 'spectrain"):
+        L.train_command(_train_args("launch.accelerate_config=zero3"))

@@ -1,0 +1,86 @@
+"""A small OpenAI-compatible chat-completions server on 127.0.0.1 that really decodes with a target
+(tests only): POST /v1/chat/completions renders the messages with the target's chat template (plus the
+request's chat_template_kwargs, as vLLM and SGLang do), decodes greedily or sampled with the request's seed
+through spectrain.regenerate.generate_batch, and answers with content, finish_reason and usage.
+
+    with OpenAIServer(target, fail_after=3) as srv:   # srv.url = http://127.0.0.1:PORT
+        ...
+
+`fail_after=N` answers HTTP 503 to every request after the N-th (a server that goes down mid-run);
+`delay_s` sleeps before each answer; `requests` records every request body.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from spectrain import regenerate as rg
+
+
+class OpenAIServer:
+    def __init__(self, target, fail_after: int | None = None, delay_s: float = 0.0, reasoning_split: bool = False):
+        self.target, self.fail_after, self.delay_s = target, fail_after, delay_s
+        self.reasoning_split = reasoning_split  # answer <think> blocks as reasoning_content (a reasoning parser)
+        self.requests: list[dict] = []
+        self.answered = 0
+        self._lock = threading.Lock()  # one decode at a time: the model is not thread-safe
+        self._stop = rg.stop_token_ids(target)
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    def __enter__(self) -> OpenAIServer:
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def complete(self, body: dict) -> tuple[int, dict]:
+        tok = self.target.tokenizer
+        with self._lock:
+            self.requests.append(body)
+            if self.fail_after is not None and self.answered >= self.fail_after:
+                return 503, {"error": {"message": "server overloaded"}}
+            try:
+                ids = rg._prompt_ids(tok, body["messages"], body.get("chat_template_kwargs"))
+            except Exception as e:  # a template error is the client's fault: 400, like vLLM
+                return 400, {"error": {"message": f"template: {e}"}}
+            if len(ids) + body["max_tokens"] > self.target.max_positions:
+                return 400, {"error": {"message": "This model's maximum context length is exceeded"}}
+            time.sleep(self.delay_s)
+            [(out, truncated)] = rg.generate_batch(self.target, [ids], [int(body.get("seed", 0))], body["max_tokens"],
+                                                   float(body.get("temperature", 0.0)), self._stop)
+            self.answered += 1
+        text = tok.decode(out, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        msg = {"role": "assistant", "content": text}
+        if self.reasoning_split and "</think>" in text:
+            think, _, answer = text.partition("</think>")
+            msg = {"role": "assistant", "reasoning_content": think.replace("<think>", "").strip(), "content": answer}
+        return 200, {"id": "cmpl-test", "object": "chat.completion", "model": body["model"],
+                     "choices": [{"index": 0, "message": msg, "finish_reason": "length" if truncated else "stop"}],
+                     "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out) + (not truncated)}}
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's naming)
+                if self.path != "/v1/chat/completions":
+                    code, resp = 404, {"error": {"message": f"no route {self.path}"}}
+                else:
+                    code, resp = server.complete(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                data = json.dumps(resp).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):  # keep the test output clean
+                pass
+
+        return Handler
