@@ -31,7 +31,9 @@ def measure_curve(target, batch: int = 1, context: int = 200, tokens=TOKENS, rep
     """Median seconds of one target pass over t new tokens per row (B rows, `context` cached tokens)."""
     from transformers import DynamicCache
 
-    from spectrain.decoding import _rollback  # the decoder's own cache surgery (crop refuses some layer types)
+    from spectrain.decoding import (
+        _rollback,  # the decoder's own cache surgery (crop refuses some layer types)
+    )
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, target.vocab_size, (batch, context + max(tokens)), generator=g).to(target.device)
