@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 
 from spectrain.errors import writing
 from spectrain.integrity import sha256
+from spectrain.outputs import MARKER, check_placement, write_marker, write_text_safe
 
 FORMAT_VERSION = 1
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -137,9 +138,7 @@ def _compute_shard(target, rows, aux_layers: list[int], dtype: str, batch_size: 
 
 
 def _write_manifest(out: Path, manifest: dict) -> None:
-    tmp = out / f"manifest.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, out / "manifest.json")
+    write_text_safe(out / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
 def cache_header(target, aux_layers: list[int], dtype: str, max_length: int) -> dict:
@@ -172,9 +171,7 @@ def _write_shard(target, out: Path, name: str, split: str, rows, a: int, b: int,
     entry = {"file": name, "row_start": a, "rows": b - a, "lengths": lengths[a:b], "tokens": sum(lengths[a:b]),
              "bytes": path.stat().st_size, "sha256": sha256(path)}
     # The sidecar is how another rank (or a resumed run) learns that this shard is finished.
-    side = out / f"{name}.json.tmp{os.getpid()}"
-    side.write_text(json.dumps(entry))
-    os.replace(side, out / f"{name}.json")
+    write_text_safe(out / f"{name}.json", json.dumps(entry))
     return entry
 
 
@@ -196,6 +193,8 @@ def write_feature_cache(target, splits: dict, out_dir, aux_layers: list[int], dt
     j = r, r + world, ... and rank 0 writes the manifest once all are done (``barrier`` = the group's)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if rank == 0 and not (out / MARKER).is_file():
+        write_marker(out, "features")  # a later run may finish / reuse this cache; nothing else replaces it
     aux_layers = target.validate_aux_layers(aux_layers)
     header = cache_header(target, aux_layers, dtype, max_length)
     mpath = out / "manifest.json"
@@ -427,6 +426,9 @@ def main(recipe_path: str, overrides: list[str]) -> int:
     if not out:
         raise ValueError("training.feature_cache is empty: set the cache directory, e.g. "
                          "training.feature_cache=.cache/features/tiny-eagle3")
+    check_placement(out, "features", [("target", recipe.target.name_or_path),
+                                      *(("data file", f) for f in recipe.data.train_files)],
+                    option="training.feature_cache")
     rank, world, device, barrier = _process_group()
     if world > 1 and recipe.target.device_map:
         raise ValueError(f"target.device_map={recipe.target.device_map!r} spreads one target over all visible "

@@ -405,7 +405,13 @@ def extend(run, saved: dict) -> None:
 
 def train(recipe, target=None, train_rows=None, heldout_rows=None,
           on_step: Callable[[Run, dict], None] | None = None) -> dict:
-    """Train `recipe`'s drafter; returns a summary. target/rows may be passed in (tests, notebooks)."""
+    """Train `recipe`'s drafter; returns a summary. target/rows may be passed in (tests, notebooks).
+    ``output_dir`` is checked and locked first (spectrain/outputs.py): nothing is written before."""
+    with ckpt.claim_run_dir(recipe):
+        return _train(recipe, target, train_rows, heldout_rows, on_step)
+
+
+def _train(recipe, target, train_rows, heldout_rows, on_step) -> dict:
     from tqdm.auto import tqdm
 
     run = setup(recipe, target, train_rows, heldout_rows)

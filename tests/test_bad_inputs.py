@@ -378,12 +378,16 @@ def _eval(world: Path, out: Path, *extra) -> list:
 
 def test_eval_cases(world, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "stale.png").write_text("a user's plot")
     old = tmp_path / "old"
-    old.mkdir()
+    assert cli_main([str(a) for a in _eval(world, old)]) == 0  # an earlier report: --force may replace it
     (old / "stale.png").write_text("old plot")
     cases = [
         (_eval(world, tmp_path / "file"), r"--out .*file is an existing file"),
         (_eval(world, old), r"--out .*old already exists and is not empty: .*--force"),
+        (_eval(world, mine, "--force"), r"--out .*mine is a non-empty directory that spectrain did not write"),
         (_eval(world, world / "run" / "best" / "ev"), r"is inside .*best, a checkpoint directory"),
         (_eval(world, tmp_path / "o", "--tree", "topkk=4,depth=2"), r"--tree 'topkk=4,depth=2'"),
         (_eval(world, tmp_path / "o", "--temperature", "nan"), r"--temperature"),
@@ -402,8 +406,10 @@ def test_eval_cases(world, tmp_path, capsys):
         refused(capsys, argv, pattern)
     assert not (tmp_path / "o").exists()
     assert cli_main([str(a) for a in _eval(world, old, "--force")]) == 0
-    assert sorted(p.name for p in old.iterdir() if p.suffix != ".png") == ["report.json", "report.md"]
+    assert sorted(p.name for p in old.iterdir() if p.suffix != ".png") == [".spectrain-output", "report.json",
+                                                                           "report.md"]
     assert not (old / "stale.png").exists()  # replaced whole, never mixed
+    assert (mine / "stale.png").read_text() == "a user's plot"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
@@ -417,9 +423,10 @@ def test_export_cases(world, tmp_path, capsys):
     cases = [
         (ex + [run / "best" / "exp"], r"is inside .*best, a checkpoint directory"),
         (ex + [run / "step-2" / "accelerate" / "x"], r"is inside .*step-2, a checkpoint directory"),
-        (ex + [run / "best", "--force"], r"is a checkpoint of the run"),
+        (ex + [run / "best", "--force"], r"is \(or contains\) the source .*best"),
+        (ex + [run / "step-1", "--force"], r"is a checkpoint of the run"),
         (ex + [tmp_path / "afile"], r"afile is an existing file"),
-        (ex + [world / "exp"], r"already exists: choose a new directory or pass --force"),
+        (ex + [world / "exp"], r"already exists and is not empty: .*pass --force to replace this export"),
         (["export", run, "--format", "vllm-medusa", "--out", tmp_path / "m"], r"holds a 'eagle3' drafter.*vllm-eagle3"),
         (["export", tmp_path / "nope", "--format", "vllm-eagle3", "--out", tmp_path / "m"], r"is not a directory"),
         (["export", run, "--format", "vllm-eagle3"], r"--out DIR is required"),
@@ -436,7 +443,7 @@ def test_export_cases(world, tmp_path, capsys):
 
 def test_export_force_onto_a_symlink_and_readable_modes(world, tmp_path):
     real = tmp_path / "real"
-    real.mkdir()
+    shutil.copytree(world / "exp", real)  # an earlier export: --force may replace it
     (real / "stale.bin").write_text("old")
     (tmp_path / "link").symlink_to(real)
     old = os.umask(0o022)
@@ -450,15 +457,21 @@ def test_export_force_onto_a_symlink_and_readable_modes(world, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no .old / temp leftovers
     assert real.stat().st_mode & 0o777 == 0o755
     assert {p.stat().st_mode & 0o777 for p in real.iterdir()} == {0o644}
+    assert (real / ".spectrain-output").is_file()
 
 
 # ---- 8. runs: extend, refuse shrink / other changes, leftovers of a killed save ------------------------------
 
 
 def test_extend_a_finished_run_and_clean_leftovers(world, tmp_path, capsys):
+    from spectrain.outputs import record_temp
+
     run = copy_run(world, tmp_path)
-    (run / ".tmp-step-7" / "accelerate").mkdir(parents=True)  # what kill -9 during a save leaves
+    for name in (".tmp-step-7", ".tmp-best"):  # what kill -9 during a save leaves: recorded, then created
+        record_temp(run, name)
+    (run / ".tmp-step-7" / "accelerate").mkdir(parents=True)
     (run / ".tmp-best").mkdir()
+    (run / ".tmp-mine").write_text("a user's file with a temp-like name: spectrain never recorded it")
     refused(capsys, train_argv(world, run, "training.resume_from=auto", "training.max_steps=1"),
             r"stops at step 1 but the checkpoint is at step 2: a resume can only keep or grow")
     refused(capsys, train_argv(world, run, "training.resume_from=auto", "training.lr=0.01"),
@@ -469,7 +482,8 @@ def test_extend_a_finished_run_and_clean_leftovers(world, tmp_path, capsys):
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(x)]
     assert steps == [1, 2, 3, 4]
-    assert not [p for p in run.iterdir() if p.name.startswith(".")]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [".spectrain-output", ".spectrain-temps",
+                                                                             ".tmp-mine"]
     assert json.loads((run / "last" / "trainer_state.json").read_text())["total_steps"] == 4
     # epochs may grow too (max_steps=0 = run the epochs): 17 train rows / 4 = 4 steps per epoch
     assert cli_main(train_argv(world, run, "training.resume_from=auto", "training.max_steps=0",

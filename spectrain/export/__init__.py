@@ -59,7 +59,7 @@ def export(source, fmt: str, out, target: str | None = None, force: bool = False
     """Resolve a run or checkpoint dir, export it as ``fmt`` into ``out`` (validated before it lands)."""
     src = resolve_source(source)
     with writing(out, remove=False):  # names --out in a disk-full message (the staged temp dir is removed)
-        return _format(fmt)[0](src, guard_export(src, out, force), target, overwrite=force)
+        return _format(fmt)[0](src, guard_export(src, out, force, target), target, overwrite=force)
 
 
 def validate(fmt: str, out) -> list[str]:
