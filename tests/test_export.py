@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -297,7 +298,7 @@ def test_wrong_kind_and_bad_sources_refused(eagle3_ckpt, medusa_ckpt, tmp_path):
         E.export(tmp_path, "medusa", tmp_path / "o")
     with pytest.raises(ValueError, match="unknown export format"):
         E.export(medusa_ckpt[1], "onnx", tmp_path / "o")
-    with pytest.raises(ValueError, match="destroy the source"):
+    with pytest.raises(ValueError, match=r"is \(or contains\) the source .*would destroy it"):
         E.export(medusa_ckpt[1], "medusa", medusa_ckpt[1].parent, force=True)
     assert not (tmp_path / "o").exists()
 
@@ -305,7 +306,13 @@ def test_wrong_kind_and_bad_sources_refused(eagle3_ckpt, medusa_ckpt, tmp_path):
 def test_existing_out_refused_unless_force_and_kept_when_new_export_is_invalid(medusa_ckpt, tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep.txt").write_text("old")
+    (out / "keep.txt").write_text("a user's file")
+    with pytest.raises(FileExistsError, match="spectrain did not write"):  # a user's directory: never replaced
+        E.export(medusa_ckpt[1], "medusa", out, force=True)
+    out = tmp_path / "out"
+    shutil.rmtree(out)
+    E.export(medusa_ckpt[1], "medusa", out)
+    (out / "keep.txt").write_text("old")  # an earlier export: replaced only with --force
     with pytest.raises(FileExistsError, match="--force"):
         E.export(medusa_ckpt[1], "medusa", out)
     monkeypatch.setattr(medusa_export, "validate_medusa", lambda d: ["planted problem"])
