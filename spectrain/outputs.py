@@ -202,6 +202,25 @@ def check_placement(out, kind: str, inputs: Iterable = (), *, force: bool = Fals
     return real
 
 
+def check_file_placement(out, inputs: Iterable = (), temps: Iterable = (), option: str = "--out") -> Path:
+    """The rules for a command whose output is one file (regenerate): not an existing path, not inside the
+    target's directory, no symlink at it or at its temp names (they would be written through)."""
+    out = Path(str(out)).expanduser()
+    for p in (out, *map(Path, temps)):
+        if p.is_symlink():
+            raise FileExistsError(f"{option} {out}: {p} is a symbolic link (to {os.readlink(p)}): spectrain never "
+                                  "writes through a link; remove it or choose another path")
+    if out.exists():
+        raise FileExistsError(f"{option} {out} already exists; delete it or choose another path")
+    real = out.resolve()
+    for role, path in inputs:
+        src = _local(path)
+        if src is not None and src.is_dir() and src in real.parents and role == "target":
+            raise ValueError(f"{option} {out} is inside the target model directory {path}: keep outputs out of "
+                             "the model's files; choose a path elsewhere")
+    return out
+
+
 def resolve_out(out, force: bool, option: str = "--out", kind: str = "eval", inputs: Iterable = ()) -> Path:
     """``check_placement`` for an ``--out`` directory (a symlink is followed: its target is checked and
     replaced, the link kept)."""
