@@ -6,7 +6,9 @@ users (files 0644, dirs 0755, minus the umask); ``verify(dir)`` refuses a direct
 from it, naming the file; resume, ``load_drafter``, ``spectrain eval`` and ``spectrain export`` call it.
 A directory without a manifest (written by an older spectrain or another tool) is accepted with a
 warning; a manifest that lists a missing file, or a weight / pickle file the manifest does not list, is
-refused: spectrain wrote neither.
+refused: spectrain wrote neither. A manifest names only relative paths inside its directory (no absolute
+path, no ``..``), and a symlink in the directory that points outside it is refused: nothing outside the
+directory is ever read, hashed or copied on its behalf.
 """
 
 from __future__ import annotations
@@ -43,6 +45,33 @@ def _files(root: Path) -> list[str]:
     return sorted(out)
 
 
+def link_inside(link: Path, root: Path) -> bool:
+    """``link`` resolves to an existing file inside ``root`` (or, for a Hugging Face cache snapshot
+    ``.../snapshots/<rev>/``, inside that repository's ``blobs/``, where the hub cache keeps the files)."""
+    base, t = root.resolve(), link.resolve()
+    bases = [base] + ([base.parent.parent / "blobs"] if base.parent.name == "snapshots" else [])
+    return t.exists() and any(b in t.parents for b in bases)
+
+
+def outside_links(root: Path) -> list[str]:
+    """Symlinks under ``root`` whose target lies outside it (or dangles): spectrain never writes one."""
+    out = []
+    for dirpath, dirs, names in os.walk(root):
+        for n in names + dirs:
+            p = Path(dirpath) / n
+            if p.is_symlink():
+                if not link_inside(p, Path(root)):
+                    out.append(f"{p} is a symbolic link to {os.readlink(p)}, outside {root}: spectrain never writes "
+                               "one (it would read another file of yours); replace it with the file itself")
+    return out
+
+
+def _inside(rel: str) -> bool:
+    """A manifest entry names a file inside its directory: relative, no '..', no empty or '.' parts."""
+    parts = rel.split("/")
+    return bool(rel) and not rel.startswith("/") and "\\" not in rel and not any(x in ("", ".", "..") for x in parts)
+
+
 def make_readable(root: Path) -> None:
     """Files 0644 and dirs 0755 minus the umask (tempfile.mkdtemp creates 0700, which a serving engine
     running as another user cannot read)."""
@@ -59,6 +88,9 @@ def make_readable(root: Path) -> None:
 def seal(root) -> Path:
     """Write ``root/SHA256SUMS`` over every file under ``root`` and make the tree readable."""
     root = Path(root)
+    links = outside_links(root)
+    if links:
+        raise IntegrityError(f"cannot seal {root}: {links[0]}")
     lines = [f"{sha256(root / rel)}  {rel}\n" for rel in _files(root)]
     tmp = root / f".{MANIFEST}.tmp{os.getpid()}"
     tmp.write_text("".join(lines))
@@ -77,17 +109,21 @@ def read_manifest(root: Path) -> dict[str, str] | None:
         if not sep or len(digest) != 64 or not rel:
             raise IntegrityError(f"{f} line {i} is malformed (expected '<sha256>  <file>'): the manifest itself is "
                                  "damaged; re-download or re-create the directory")
-        out[rel.lstrip("*")] = digest
+        rel = rel.lstrip("*")
+        if not _inside(rel):
+            raise IntegrityError(f"{f} line {i} names {rel!r}, a path outside its directory (absolute or with '..'): "
+                                 "a manifest lists only files inside its own directory; it was damaged or tampered "
+                                 "with, so re-create the directory from a good copy")
+        out[rel] = digest
     return out
 
 
 def problems(root) -> list[str]:
     """What is wrong with ``root`` against its manifest ([] = verified, or no manifest to verify)."""
     root = Path(root)
-    listed = read_manifest(root)
+    listed, out = read_manifest(root), outside_links(root)
     if listed is None:
-        return []
-    out = []
+        return out
     for rel, digest in listed.items():
         p = root / rel
         if not p.is_file():
