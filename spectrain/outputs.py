@@ -188,8 +188,9 @@ def check_placement(out, kind: str, inputs: Iterable = (), *, force: bool = Fals
                                   f"{MARKER}): spectrain never replaces or mixes into your files, with or without "
                                   "--force; choose a new or empty directory")
         if have != kind:
-            raise FileExistsError(f"{option} {given} is a spectrain {KIND_NAMES[have]} directory, not a {name}: "
-                                  f"writing a {name} there would destroy it; choose another directory")
+            a = "an" if name[0] in "aeiou" else "a"
+            raise FileExistsError(f"{option} {given} is a spectrain {KIND_NAMES[have]} directory, not {a} {name}: "
+                                  f"writing {a} {name} there would destroy it; choose another directory")
         if kind in ("eval", "export") and not force:
             raise FileExistsError(f"{option} {given} already exists and is not empty: choose a new directory, or "
                                   f"pass --force to replace this {name} whole (its old files are removed, never "

@@ -567,3 +567,212 @@ def test_corrupt_or_truncated_feature_shard_refused(tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(ValueError, match=rf"{shard.name} is truncated or modified"):
         FeatureCache(tmp_path, target, split="train").get([0])
+
+
+# ---- 11. output placement cannot destroy (issue 18): a sandbox of a user's files, links and foreign dirs -------
+
+
+def snapshot(*roots: Path) -> dict:
+    """Every entry under ``roots`` (links not followed): type, mode, link target or content hash."""
+    import hashlib
+
+    out = {}
+    for root in roots:
+        for p in sorted([root, *root.rglob("*")]):
+            st = p.lstat()
+            if p.is_symlink():
+                out[str(p)] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[str(p)] = ("dir", st.st_mode)
+            else:
+                out[str(p)] = ("file", st.st_mode, hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+@pytest.fixture
+def sandbox(world, tmp_path, monkeypatch) -> Path:
+    """home/ (HOME points here) with a user's project dir, a private file, links into it, a foreign eval report
+    and another run; every writing command is pointed at them."""
+    home = tmp_path / "home"
+    user = home / "project"
+    for d in ("init", "best", ".tmp-mine", ".old-best"):
+        (user / d).mkdir(parents=True)
+        (user / d / "keep.txt").write_text(f"the user's {d}")
+    for name, text in (("recipe.yaml", "my notes"), ("metrics.jsonl", "my data\n"), ("last", "a file named last")):
+        (user / name).write_text(text)
+    private = home / "private.txt"
+    private.write_text("secret")
+    private.chmod(0o600)
+    (home / "link-to-project").symlink_to(user)
+    report = home / "reports" / "ev"
+    report.mkdir(parents=True)
+    for f in ("report.json", "report.md"):
+        (report / f).write_text("{}")
+    (report / ".spectrain-output").write_text('{"kind": "eval"}')
+    shutil.copytree(world / "run", home / "runs" / "other", symlinks=True)
+    monkeypatch.setenv("HOME", str(home))
+    for var in ("MPLCONFIGDIR", "XDG_CACHE_HOME"):  # libraries' own caches (matplotlib's plots) stay out of it
+        monkeypatch.setenv(var, str(tmp_path / "cache"))
+    return home
+
+
+def _placement_cases(world: Path, home: Path) -> list[tuple[list, str]]:
+    user, runs, other, ev = home / "project", home / "runs", home / "runs" / "other", home / "reports" / "ev"
+    tgt = world / "target"
+    train = ["train", world / "recipe.yaml"]
+    ex = ["export", other, "--format", "vllm-eagle3", "--force", "--out"]
+    return [
+        (train + ["output_dir=/"], r"output_dir / is the filesystem root"),
+        (train + [f"output_dir={home}"], r"is your home directory"),
+        (train + [f"output_dir={home.parent}"], r"is an ancestor of your home directory"),
+        (train + [f"output_dir={user}"], r"project is a non-empty directory that spectrain did not write"),
+        (train + [f"output_dir={home / 'link-to-project'}"], r"spectrain did not write"),
+        (train + [f"output_dir={tgt}"], r"is \(or contains\) the target .* this command reads"),
+        (train + [f"output_dir={world}"], r"is \(or contains\) the target"),
+        (train + [f"output_dir={tgt / 'run'}"], r"is inside the target model directory"),
+        (train + [f"output_dir={ev}"], r"is a spectrain eval report directory, not a training run"),
+        (train + [f"output_dir={other / 'best'}"], r"is a checkpoint of the run"),
+        (["check", world / "recipe.yaml", "output_dir=/"], r"FAILED: output_dir / is the filesystem root"),
+        (["check", world / "recipe.yaml", f"output_dir={user}"], r"FAILED: .*spectrain did not write"),
+        (["prepare-features", world / "recipe.yaml", f"training.feature_cache={user}"], r"spectrain did not write"),
+        (["prepare-features", world / "recipe.yaml", f"training.feature_cache={other}"],
+         r"is a spectrain training run directory, not a feature cache"),
+        (_eval(world, other, "--force"), r"is a spectrain training run directory, not an eval report"),
+        (_eval(world, runs, "--force"), r"runs is a non-empty directory that spectrain did not write"),
+        (_eval(world, world, "--force"), r"is \(or contains\) the target"),
+        (_eval(world, tgt, "--force"), r"is \(or contains\) the target"),
+        (_eval(world, user, "--force"), r"spectrain did not write"),
+        (_eval(world, home, "--force"), r"is your home directory"),
+        (ex + [world / "run"], r"run is a spectrain training run directory, not an export"),
+        (ex + [ev], r"is a spectrain eval report directory, not an export"),
+        (ex + [user], r"spectrain did not write"),
+        (ex + [runs], r"is \(or contains\) the source"),
+        (ex + ["/"], r"is the filesystem root"),
+        (["regenerate", world / "recipe.yaml", "--out", tgt / "regen.jsonl"], r"inside the target model directory"),
+        (["regenerate", world / "recipe.yaml", "--out", home / "link.jsonl"], r"link\.jsonl is a symbolic link"),
+        (["regenerate", world / "recipe.yaml", "--out", home / "r.jsonl"], r"r\.jsonl\.tmp is a symbolic link"),
+        (["regenerate", world / "recipe.yaml", "--out", home / "private.txt"], r"use a \.jsonl name"),
+    ]
+
+
+def test_every_writing_command_refuses_a_destructive_place_and_changes_nothing(world, sandbox, capsys):
+    (sandbox / "link.jsonl").symlink_to(sandbox / "not-yet.jsonl")  # dangling: writing it would create that file
+    (sandbox / "r.jsonl.tmp").symlink_to(sandbox / "private.txt")  # a resumed part would be appended to
+    before = snapshot(sandbox, world)
+    for argv, pattern in _placement_cases(world, sandbox):
+        refused(capsys, argv, pattern)
+        assert snapshot(sandbox, world) == before, argv  # not one byte outside the intended output changed
+
+
+def test_force_replaces_only_its_own_kind_and_demo_style_reruns_work(world, sandbox, tmp_path, capsys):
+    """What the demo does twice (train into a run dir, eval --force into runs/X/eval) still works."""
+    run = copy_run(world, tmp_path)
+    ev = run / "eval"
+    before = snapshot(sandbox)
+    for _ in range(2):
+        assert cli_main(train_argv(world, run, "training.resume_from=auto")) == 0
+        assert cli_main([str(a) for a in _eval(world, ev, "--force")]) == 0
+    exp = tmp_path / "exp"
+    for _ in range(2):
+        assert cli_main(["export", str(run), "--format", "vllm-eagle3", "--out", str(exp), "--force"]) == 0
+    assert json.loads((exp / ".spectrain-output").read_text())["kind"] == "export"
+    assert json.loads((ev / ".spectrain-output").read_text())["kind"] == "eval"
+    assert snapshot(sandbox) == before
+    capsys.readouterr()
+
+
+def test_run_dir_lock_refuses_a_second_writer_and_takes_over_a_stale_lock(world, tmp_path, capsys):
+    import platform
+    import subprocess
+    import sys
+
+    from spectrain.outputs import LOCK, run_lock
+
+    run = copy_run(world, tmp_path)
+    with run_lock(run):  # another writer holds the run dir (here: this process)
+        refused(capsys, train_argv(world, run, "training.resume_from=auto"),
+                rf"is being written by process {os.getpid()} on host {re.escape(platform.node())}.*delete .*{LOCK}")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run / LOCK).write_text(json.dumps({"pid": live.pid, "host": platform.node()}))
+        refused(capsys, train_argv(world, run, "training.resume_from=auto"), rf"process {live.pid} on host")
+    finally:
+        live.kill()
+        live.wait()
+    with pytest.warns(UserWarning, match=rf"taking over the stale lock of process {live.pid}"):
+        assert cli_main(train_argv(world, run, "training.resume_from=auto")) == 0
+    assert not (run / LOCK).exists()  # released when the run ends
+
+
+def test_symlinks_in_a_run_dir_are_replaced_never_written_through(world, tmp_path, capsys):
+    run = copy_run(world, tmp_path)
+    private = tmp_path / "private.txt"
+    private.write_text("secret")
+    for name in ("recipe.yaml", "metrics.jsonl"):
+        (run / name).unlink()
+        (run / name).symlink_to(private)
+    assert cli_main(train_argv(world, run, "training.resume_from=auto", "training.max_steps=3")) == 0
+    assert private.read_text() == "secret"
+    assert not (run / "recipe.yaml").is_symlink() and "max_steps: 3" in (run / "recipe.yaml").read_text()
+    assert not (run / "metrics.jsonl").is_symlink()
+    from spectrain.outputs import append_text_safe
+
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(private)
+    with pytest.raises(FileExistsError, match=r"metrics\.jsonl is a symbolic link .*never writes through a link"):
+        append_text_safe(run / "metrics.jsonl", "x\n")
+    assert private.read_text() == "secret"
+
+
+# ---- 12. no link followed out, manifests confined to their directory (issue 18) -------------------------------
+
+
+def test_a_link_out_of_a_checkpoint_is_refused_by_export_eval_and_load(world, target, tmp_path, capsys):
+    from spectrain import load_drafter
+    from spectrain.integrity import seal
+
+    run = copy_run(world, tmp_path)
+    private = tmp_path / "private.txt"
+    private.write_text("secret")
+    private.chmod(0o600)
+    (run / "best" / "tokenizer.json").symlink_to(private)
+    with pytest.raises(ValueError, match=r"cannot seal .*tokenizer\.json is a symbolic link"):
+        seal(run / "best")  # spectrain never seals a link out
+    before = snapshot(tmp_path)
+    refused(capsys, ["export", run / "best", "--format", "vllm-eagle3", "--out", tmp_path / "x"],
+            r"tokenizer\.json is a symbolic link to .*private\.txt, outside .*best")
+    refused(capsys, ["eval", "--target", world / "target", "--drafter", run / "best", "--prompts", "mt_bench",
+                     "--n", "1", "--max-new-tokens", "2", "--out", tmp_path / "ev"], r"tokenizer\.json is a symbolic link")
+    with pytest.raises(ValueError, match="symbolic link"):
+        load_drafter(str(run / "best"), target)
+    assert snapshot(tmp_path) == before
+
+
+def test_hf_draft_copy_follows_a_link_only_inside_the_source(tmp_path):
+    from spectrain.export.hf_draft import _copy_inside
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "real.json").write_text("inside")
+    (src / "tokenizer.json").symlink_to(src / "real.json")
+    (tmp_path / "private.txt").write_text("secret")
+    (src / "vocab.json").symlink_to(tmp_path / "private.txt")
+    _copy_inside(src / "tokenizer.json", src, tmp_path / "a.json")
+    assert (tmp_path / "a.json").read_text() == "inside" and not (tmp_path / "a.json").is_symlink()
+    with pytest.raises(ValueError, match=r"vocab\.json is a symbolic link to .*private\.txt, outside"):
+        _copy_inside(src / "vocab.json", src, tmp_path / "b.json")
+    assert not (tmp_path / "b.json").exists()
+
+
+@pytest.mark.parametrize("entry", ["../../etc/hostname", "/etc/hostname", "a/../../x", "./model.safetensors"])
+def test_manifest_paths_outside_the_directory_are_refused(world, target, tmp_path, capsys, entry):
+    from spectrain import load_drafter
+
+    run = copy_run(world, tmp_path)
+    with open(run / "best" / "SHA256SUMS", "a") as f:
+        f.write(f"{'0' * 64}  {entry}\n")
+    refused(capsys, ["export", run / "best", "--format", "vllm-eagle3", "--out", tmp_path / "x"],
+            rf"SHA256SUMS line \d+ names '{re.escape(entry)}', a path outside its directory")
+    with pytest.raises(ValueError, match="a path outside its directory"):
+        load_drafter(str(run / "best"), target)
+    assert "hostname is corrupt" not in capsys.readouterr().err
