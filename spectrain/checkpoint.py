@@ -235,7 +235,14 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
 
 
 def save_drafter_dir(drafter, path: Path, state_dict: dict | None = None) -> None:
-    """``drafter.save_pretrained``; ``state_dict`` = the full weights when the module holds only a shard."""
+    """``drafter.save_pretrained``; ``state_dict`` = the full weights when the module holds only a shard.
+    Non-finite weights are never written (and so never sealed as good)."""
+    import torch
+
+    for name, t in (state_dict if state_dict is not None else drafter.state_dict()).items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"refusing to save {path}: drafter weight {name} holds NaN or Inf values; lower "
+                             "training.lr or use training.precision=fp32 and resume from the last good checkpoint")
     if state_dict is None:
         drafter.save_pretrained(str(path))
     else:

@@ -264,6 +264,12 @@ def _pool(acc, losses: list[float], parts: list[tuple[dict, float]]) -> dict:
     return out
 
 
+def _non_finite_weight(module: nn.Module) -> str | None:
+    """The first trainable weight holding NaN / Inf (None: all finite)."""
+    return next((n for n, p in module.named_parameters() if p.requires_grad and p.numel()
+                 and not bool(torch.isfinite(p.detach()).all())), None)
+
+
 def train_step(run) -> dict:
     acc, t, st = run.acc, run.recipe.training, run.state
     losses, parts, tokens, finite = [], [], 0, True
@@ -286,6 +292,12 @@ def train_step(run) -> dict:
     if finite:
         norm = acc.clip_grad_norm_(run.model.parameters(), t.grad_clip) if t.grad_clip > 0 else None
         run.opt.step()
+        bad = _non_finite_weight(run.drafter)
+        if _all_ranks(acc, bad is not None):  # sharded (ZeRO-3 / FSDP): each rank checks its shard
+            raise TrainingDiverged(
+                f"step {st['step'] + 1}: the update made the drafter's weights non-finite ({bad or 'on another rank'}; "
+                f"training.lr={t.lr}): the run stops and nothing of this step is saved; lower training.lr or use "
+                "training.precision=fp32, then resume from the last checkpoint (training.resume_from=auto)")
         st["nan_streak"] = 0
         if norm is not None:
             rec["grad_norm"] = float(norm)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+# Sampling temperatures spectrain decodes with: 0 (greedy) or this range. Outside it logits / T overflows
+# float32 (tiny T: inf, then NaN after softmax) or flattens every distribution to uniform (huge T).
+TEMPERATURE_RANGE = (1e-4, 1e4)
 # Tree options the drafters read (DraftContext.tree): nodes expanded per level, depth, nodes in all.
 TREE_KEYS = ("topk", "depth", "total_tokens")
 
@@ -36,6 +39,11 @@ def check_sampling(temperature, top_p, top_k) -> None:
             raise ValueError(f"{name} must be a finite number, got {value!r}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    lo, hi = TEMPERATURE_RANGE
+    if temperature and not lo <= temperature <= hi:
+        raise ValueError(f"temperature={temperature!r} is outside the supported range: use 0 (greedy) or a value in "
+                         f"[{lo:g}, {hi:g}] (beyond it the warped distribution logits/T is not finite in float32 "
+                         "or is flat)")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:

@@ -285,6 +285,8 @@ def test_corrupt_tokenized_data_cache_is_named_discarded_and_rebuilt(world, tmp_
     ({"temperature": float("nan")}, r"temperature must be a finite number"),
     ({"temperature": float("inf")}, r"temperature must be a finite number"),
     ({"temperature": -1.0}, r"temperature must be >= 0"),
+    ({"temperature": 1e-40}, r"temperature=1e-40 is outside the supported range: use 0 \(greedy\) or a value in \[0\.0001, 10000\]"),
+    ({"temperature": 1e300}, r"temperature=1e\+300 is outside the supported range"),
     ({"top_p": float("nan")}, r"top_p must be a finite number"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ({"top_k": -3}, r"top_k must be an integer >= 0"),
@@ -346,6 +348,15 @@ def _recipe_cases(world: Path, tmp: Path) -> list[tuple[list, str]]:
         (["check", r, "drafter.eagle3.draft_vocab_size=100000"], r"draft_vocab_size=100000 exceeds the target vocab"),
         (["check", r, "training.lrr=1"], r"unknown key 'lrr' in section 'training': did you mean 'lr'"),
         (["check", r, "training.lr=abc"], r"training.lr: expected a number"),
+        (["check", r, "training.lr=inf"], r"training.lr: 'inf' is not a finite number"),
+        (["check", r, "training.lr=.nan"], r"training.lr: nan is not a finite number"),
+        (["train", r, f"output_dir={tmp / 'r'}", "training.lr=1e999"], r"training.lr: '1e999' is not a finite number"),
+        (["check", r, "training.lr=0"], r"training.lr=0.0 must be in \(0, 1\]"),
+        (["check", r, "training.lr=-1e-3"], r"training.lr=-0.001 must be in \(0, 1\]"),
+        (["check", r, "training.lr=5"], r"training.lr=5.0 must be in \(0, 1\]"),
+        (["check", r, "training.grad_clip=inf"], r"training.grad_clip: 'inf' is not a finite number"),
+        (["check", r, "data.heldout_fraction=nan"], r"data.heldout_fraction: 'nan' is not a finite number"),
+        (["check", r, "drafter.eagle3.ttt_decay=-inf"], r"ttt_decay: '-inf' is not a finite number"),
         (["check", r, "training.features=offline", f"training.feature_cache={tmp / 'nofeat'}"],
          r"holds no feature cache \(manifest\.json\)"),
         (["check", r, f"target.name_or_path={tmp / 'adir'}"], r"cannot load target config/tokenizer"),
@@ -776,3 +787,73 @@ def test_manifest_paths_outside_the_directory_are_refused(world, target, tmp_pat
     with pytest.raises(ValueError, match="a path outside its directory"):
         load_drafter(str(run / "best"), target)
     assert "hostname is corrupt" not in capsys.readouterr().err
+
+
+# ---- 13. non-finite is an error (issue 18) ---------------------------------------------------------------------
+
+
+def test_a_step_that_makes_weights_non_finite_stops_the_run_and_seals_nothing(world, tmp_path, capsys, monkeypatch):
+    run = copy_run(world, tmp_path)
+    before = snapshot(run)
+    real = torch.optim.AdamW.step
+
+    def poisoned(self, *a, **k):  # what an overflowing update does: the step itself writes NaN into a weight
+        out = real(self, *a, **k)
+        self.param_groups[0]["params"][0].data.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+    refused(capsys, train_argv(world, run, "training.resume_from=auto", "training.max_steps=4"),
+            r"step 3: the update made the drafter's weights non-finite \(.*weight; training\.lr=0\.001\): the run "
+            r"stops and nothing of this step is saved; lower training\.lr")
+    after = snapshot(run)
+    changed = {p for p in set(before) | set(after) if before.get(p) != after.get(p)}
+    assert all(Path(p).name in ("metrics.jsonl", "run_info.json", "recipe.yaml", ".spectrain-temps") for p in changed), \
+        changed  # no new checkpoint, best/ untouched
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    from spectrain.checkpoint import save_drafter_dir
+
+    head = torch.nn.Linear(2, 2)
+    head.weight.data[0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"refusing to save .*drafter weight weight holds NaN or Inf"):
+        save_drafter_dir(head, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("damage, pattern", [
+    (lambda sd: sd["fc.weight"].fill_(float("nan")), r"tensor fc\.weight holds NaN or Inf values"),
+    (lambda sd: sd.update({"fc.weight": sd["fc.weight"].to(torch.int32)}),
+     r"tensor fc\.weight has dtype torch\.int32, expected a float dtype"),
+    (lambda sd: sd.update({"d2t": sd["d2t"].to(torch.int32)}), r"tensor d2t has dtype torch\.int32, expected torch\.int64"),
+    (lambda sd: sd.update({"fc.weight": sd["fc.weight"][:, :-1].contiguous()}),
+     r"tensor fc\.weight has shape \[\d+, \d+\], its config implies"),
+])
+def test_a_resealed_head_with_bad_weights_is_refused_at_load(world, target, tmp_path, capsys, damage, pattern):
+    from safetensors.torch import load_file, save_file
+
+    from spectrain import load_drafter
+    from spectrain.integrity import seal
+
+    run = copy_run(world, tmp_path)
+    w = run / "best" / "model.safetensors"
+    sd = load_file(str(w))
+    damage(sd)
+    save_file(sd, str(w))
+    seal(run / "best")  # the manifest agrees: only the weight check can catch it
+    with pytest.raises(ValueError, match=pattern):
+        load_drafter(str(run / "best"), target)
+    refused(capsys, ["eval", "--target", world / "target", "--drafter", run / "best", "--prompts", "mt_bench",
+                     "--n", "1", "--max-new-tokens", "2", "--out", tmp_path / "ev"], pattern)
+    assert not (tmp_path / "ev").exists()
+
+
+def test_decoding_refuses_non_finite_logits():
+    from spectrain.sampling import Sampler
+
+    logits = torch.tensor([0.0, 1.0, float("nan")])
+    for s in (Sampler(), Sampler(temperature=1.0)):
+        with pytest.raises(ValueError, match=r"NaN or \+Inf logits"):
+            s.probs(logits)
+    assert Sampler(temperature=1.0).probs(torch.tensor([0.0, float("-inf")])).tolist() == [1.0, 0.0]  # masked: fine

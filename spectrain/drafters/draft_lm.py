@@ -85,6 +85,11 @@ class DraftLMDrafter(Drafter):
         _warn_if_other_target(path, target)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or target.dtype,
                                                      trust_remote_code=trust_remote_code).to(target.device)
+        bad = next((n for n, t in model.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()),
+                   None)
+        if bad is not None:
+            raise ValueError(f"draft model {path}: tensor {bad} holds NaN or Inf values (a diverged or damaged "
+                             "model): use another checkpoint or retrain")
         try:
             tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError):

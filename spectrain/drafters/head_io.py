@@ -22,6 +22,26 @@ def save_head(path, config: dict, state: dict[str, torch.Tensor]) -> None:
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def check_state(state: dict[str, torch.Tensor], model: torch.nn.Module, where: str) -> None:
+    """Before ``load_state_dict`` (which would cast an int32 weight or copy NaNs silently): every tensor has the
+    shape the config implies, a float dtype where the module holds floats (the exact dtype for index buffers
+    such as d2t / t2d), and only finite values. Missing / extra names are left to ``strict=True``."""
+    for name, want in model.state_dict().items():
+        t = state.get(name)
+        if t is None:
+            continue
+        if tuple(t.shape) != tuple(want.shape):
+            raise ValueError(f"{where}: tensor {name} has shape {list(t.shape)}, its config implies "
+                             f"{list(want.shape)}: the weights were not written for this config; use another checkpoint")
+        if t.is_floating_point() != want.is_floating_point() or (not want.is_floating_point() and t.dtype != want.dtype):
+            expected = "a float dtype" if want.is_floating_point() else str(want.dtype)
+            raise ValueError(f"{where}: tensor {name} has dtype {t.dtype}, expected {expected}: the file was not "
+                             "written by spectrain for this head; use another checkpoint")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where}: tensor {name} holds NaN or Inf values (a diverged or damaged head): decoding "
+                             "with it would be meaningless; use another checkpoint of the run or retrain")
+
+
 def read_head_config(path, kind: str, target, what: str) -> dict:
     """The directory's config after checking kind and the target sizes it was trained for (``what``
     names the head in messages, e.g. "EAGLE-3 head")."""
