@@ -292,6 +292,18 @@ def test_corrupt_tokenized_data_cache_is_named_discarded_and_rebuilt(world, tmp_
     ({"top_k": -3}, r"top_k must be an integer >= 0"),
     ({"k": 0}, r"k \(draft length / tree depth\) must be a positive integer"),
     ({"max_new_tokens": 0}, r"max_new_tokens must be a positive integer"),
+    ({"max_new_tokens": True}, r"max_new_tokens must be a positive integer, got True"),
+    ({"max_new_tokens": 2.0}, r"max_new_tokens must be a positive integer, got 2\.0"),
+    ({"k": True}, r"k \(draft length / tree depth\) must be a positive integer, got True"),
+    ({"top_k": False}, r"top_k must be an integer >= 0"),
+    ({"temperature": True}, r"temperature must be a finite number, got True"),
+    ({"seed": 1.5}, r"seed must be an integer"),
+    ({"batch_size": 0}, r"batch_size must be a positive integer"),
+    ({"batch_size": True}, r"batch_size must be a positive integer, got True"),
+    ({"attention_mask": [1, 1]}, r"attention_mask does not match input_ids: prompt lengths \[4\], mask lengths \[2\]"),
+    ({"attention_mask": [1, 1, 2, 1]}, r"attention_mask must hold only 0 .* and 1"),
+    ({"input_ids": [[1, 2], [3]], "attention_mask": [[1, 1], [1, 1]]}, r"attention_mask does not match input_ids"),
+    ({"attention_mask": 5}, r"attention_mask must be a tensor or a list"),
 ])
 def test_speculative_generate_refuses_bad_arguments(target, kw, pattern):
     from spectrain import speculative_generate
@@ -857,3 +869,57 @@ def test_decoding_refuses_non_finite_logits():
         with pytest.raises(ValueError, match=r"NaN or \+Inf logits"):
             s.probs(logits)
     assert Sampler(temperature=1.0).probs(torch.tensor([0.0, float("-inf")])).tolist() == [1.0, 0.0]  # masked: fine
+
+
+# ---- 14. API arguments checked at the door (issue 18) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["1d-tensor", "2d-tensor", "list", "list-of-lists"])
+def test_attention_mask_is_honoured_for_every_prompt_form(target, form):
+    """Padding masked out is never decoded: each form with a pad-carrying mask equals the unpadded prompt."""
+    from spectrain.decoding import plain_generate
+
+    prompt, pad = [5, 6, 7, 8], [0, 0]
+    ids, mask = pad + prompt, [0] * len(pad) + [1] * len(prompt)
+    want = plain_generate(target, prompt, max_new_tokens=4).tokens
+    arg = {"1d-tensor": (torch.tensor(ids), torch.tensor(mask)), "2d-tensor": (torch.tensor([ids]), torch.tensor([mask])),
+           "list": (ids, mask), "list-of-lists": ([ids], [mask])}[form]
+    out = plain_generate(target, arg[0], max_new_tokens=4, attention_mask=arg[1])
+    got = out[0].tokens if isinstance(out, list) else out.tokens
+    assert got == want
+
+
+def test_a_wrong_drafter_argument_is_named(world, target):
+    from spectrain import load_drafter, load_target, speculative_generate
+
+    run = world / "run"
+    cases = [
+        (str(run / "best"), r"is a path, not a drafter: load it first with spectrain\.load_drafter"),
+        (run / "best", r"is a path, not a drafter"),
+        (target, r"the target was passed as the drafter"),
+        (42, r"drafter must be a spectrain Drafter .* got int"),
+    ]
+    for drafter, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            speculative_generate(target, drafter, [1, 5, 6, 7], max_new_tokens=2, k=2)
+    with pytest.raises(ValueError, match=r"the drafter spec is empty"):
+        load_drafter("", target)
+    with pytest.raises(ValueError, match=r"spec must be .* got FrozenTarget \(the target\?"):
+        load_drafter(target, target)
+    with pytest.raises(ValueError, match=r"target must be a loaded target"):
+        load_drafter(str(run / "best"), str(world / "target"))
+    with pytest.raises(ValueError, match=r"name_or_path must be a non-empty hub id"):
+        load_target("")
+
+
+def test_a_drafter_loaded_for_another_target_is_named(world, target):
+    from conftest import make_tiny_target
+
+    from spectrain import load_drafter, speculative_generate
+
+    head = load_drafter(str(world / "run" / "best"), target)
+    other = make_tiny_target("llama")
+    if other.hidden_size == target.hidden_size and other.vocab_size == target.vocab_size:
+        pytest.skip("the conftest target has the same sizes")
+    with pytest.raises(ValueError, match=r"the drafter was loaded for another target .*: load it for this one"):
+        speculative_generate(other, head, [1, 5, 6, 7], max_new_tokens=2, k=2)

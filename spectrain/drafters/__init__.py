@@ -50,7 +50,17 @@ def load_drafter(spec, target) -> Drafter:
     """Build a drafter from a spec string / path (see module docstring), or pass a Drafter through."""
     if isinstance(spec, Drafter):
         return spec
+    if not isinstance(spec, (str, Path)):
+        raise ValueError(f"load_drafter(spec, target): spec must be 'ngram[:...]', a directory path or an HF id, got "
+                         f"{type(spec).__name__}" + (" (the target? pass it as the second argument)"
+                                                      if hasattr(spec, "tokenizer") else ""))
+    if not hasattr(target, "vocab_size") or not hasattr(target, "forward"):
+        raise ValueError(f"load_drafter(spec, target): target must be a loaded target (spectrain.load_target), got "
+                         f"{type(target).__name__}")
     spec = str(spec)
+    if not spec.strip():
+        raise ValueError("load_drafter: the drafter spec is empty (it would load whatever is in the current "
+                         "directory): give 'ngram', a trained drafter directory (e.g. runs/NAME/best) or an HF id")
     if spec.split(":", 1)[0].strip() == "ngram":
         from spectrain.drafters.ngram import NgramDrafter
 
