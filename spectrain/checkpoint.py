@@ -243,10 +243,11 @@ def save_drafter_dir(drafter, path: Path, state_dict: dict | None = None) -> Non
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"refusing to save {path}: drafter weight {name} holds NaN or Inf values; lower "
                              "training.lr or use training.precision=fp32 and resume from the last good checkpoint")
-    if state_dict is None:
-        drafter.save_pretrained(str(path))
-    else:
-        drafter.save_pretrained(str(path), state_dict=state_dict)
+    with integrity.deferred_seal():  # the checkpoint is sealed once, over all its files, by the caller
+        if state_dict is None:
+            drafter.save_pretrained(str(path))
+        else:
+            drafter.save_pretrained(str(path), state_dict=state_dict)
 
 
 def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: int,

@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str | None, bool]] = {
     "eval": ("lossless speculative decoding over prompt sets + report", "spectrain.evaluate:add_eval_args", False),
     "export": ("write a serving-format directory (vLLM, SGLang, TensorRT-LLM, HF draft) and validate it",
                "spectrain.export:add_export_args", False),
+    "seal": ("write SHA256SUMS for checkpoint / head directories you trust (spectrain refuses unsealed ones)",
+             "spectrain.integrity:add_seal_args", False),
     "recipes": ("list the shipped recipes and accelerate configs, one line each", None, False),
 }
 RECIPE_HELP = "a recipe file, or the name of a shipped recipe (e.g. tiny/eagle3; see `spectrain recipes`)"
@@ -108,7 +110,8 @@ def _run(args: argparse.Namespace) -> int:
         from spectrain.features import main as features_main
 
         return features_main(args.recipe, args.overrides)
-    module = {"regenerate": "spectrain.regenerate", "eval": "spectrain.evaluate", "export": "spectrain.export"}[cmd]
+    module = {"regenerate": "spectrain.regenerate", "eval": "spectrain.evaluate", "export": "spectrain.export",
+              "seal": "spectrain.integrity"}[cmd]
     return importlib.import_module(module).main(args)
 
 

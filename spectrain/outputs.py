@@ -344,5 +344,6 @@ def guard_export(src: Path, out, force: bool, target: str | None = None) -> Path
     (``check_placement``: a symlink is followed; never an input, a checkpoint or run, a user's directory)."""
     from spectrain.integrity import verify
 
-    verify(src, "checkpoint", fix="export another checkpoint of the run (e.g. last/ or a step-N/), or retrain")
+    verify(src, "checkpoint", fix="export another checkpoint of the run (e.g. last/ or a step-N/), or retrain",
+           required=True)
     return check_placement(out, "export", [("source", src), ("target", target)], force=force)

@@ -124,9 +124,10 @@ def test_planted_pickle_with_a_resealed_manifest_is_still_refused(world, tmp_pat
     assert not marker.exists()
 
 
-def test_legacy_checkpoint_scheduler_pickle_read_as_data_only(world, tmp_path, capsys):
+def test_legacy_checkpoint_scheduler_pickle_read_as_data_only(world, tmp_path, capsys, monkeypatch):
     """A checkpoint of an older spectrain (scheduler in accelerate's custom_checkpoint_0.pkl, no manifest):
     a plain-data one resumes, one holding objects is refused and runs nothing."""
+    monkeypatch.setenv("SPECTRAIN_ALLOW_UNSEALED", "1")  # an older spectrain's checkpoint has no manifest
     run = copy_run(world, tmp_path)
     step = run / "step-2"
     state = json.loads((step / "scheduler.json").read_text())
@@ -235,11 +236,12 @@ def test_truncated_weights_without_manifest(world, target, tmp_path, capsys):
         load_drafter(str(run / "best"), target)
 
 
-def test_renamed_tensor_without_manifest(world, target, tmp_path):
+def test_renamed_tensor_without_manifest(world, target, tmp_path, monkeypatch):
     from safetensors.torch import load_file, save_file
 
     from spectrain import load_drafter
 
+    monkeypatch.setenv("SPECTRAIN_ALLOW_UNSEALED", "1")
     run = copy_run(world, tmp_path)
     w = _strip(run / "best") / "model.safetensors"
     sd = load_file(str(w))
@@ -249,7 +251,8 @@ def test_renamed_tensor_without_manifest(world, target, tmp_path):
         load_drafter(str(run / "best"), target)
 
 
-def test_damaged_trainer_state_is_named(world, tmp_path, capsys):
+def test_damaged_trainer_state_is_named(world, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPECTRAIN_ALLOW_UNSEALED", "1")
     run = copy_run(world, tmp_path)
     _strip(run / "step-2")
     (run / "step-2" / "trainer_state.json").write_text("{not json")
@@ -923,3 +926,42 @@ def test_a_drafter_loaded_for_another_target_is_named(world, target):
         pytest.skip("the conftest target has the same sizes")
     with pytest.raises(ValueError, match=r"the drafter was loaded for another target .*: load it for this one"):
         speculative_generate(other, head, [1, 5, 6, 7], max_new_tokens=2, k=2)
+
+
+# ---- 15. integrity cannot be switched off by deleting a file (issue 18) -----------------------------------------
+
+
+def test_a_checkpoint_or_head_without_manifest_is_refused_until_sealed(world, target, tmp_path, capsys, monkeypatch):
+    from spectrain import load_drafter
+
+    run = copy_run(world, tmp_path)
+    for d in ("best", "step-2"):
+        (run / d / "SHA256SUMS").unlink()
+    before = snapshot(run)
+    fix = r"has no SHA256SUMS, so its files cannot be checked .*`spectrain seal .*`, or set SPECTRAIN_ALLOW_UNSEALED=1"
+    refused(capsys, ["export", run / "best", "--format", "vllm-eagle3", "--out", tmp_path / "x"], fix)
+    refused(capsys, ["eval", "--target", world / "target", "--drafter", run / "best", "--prompts", "mt_bench",
+                     "--n", "1", "--max-new-tokens", "2", "--out", tmp_path / "ev"], fix)
+    refused(capsys, train_argv(world, run, "training.resume_from=auto", "training.max_steps=3"), rf"step-2 {fix}")
+    with pytest.raises(ValueError, match=fix):
+        load_drafter(str(run / "best"), target)
+    assert snapshot(run) == before and not (tmp_path / "x").exists()
+    monkeypatch.setenv("SPECTRAIN_ALLOW_UNSEALED", "1")  # the explicit flag
+    load_drafter(str(run / "best"), target)
+    monkeypatch.delenv("SPECTRAIN_ALLOW_UNSEALED")
+    assert cli_main(["seal", str(run / "best")]) == 0  # a directory the user trusts
+    assert "sealed" in capsys.readouterr().out
+    load_drafter(str(run / "best"), target)
+    flip(run / "best" / "model.safetensors")
+    refused(capsys, ["seal", run / "best"], r"cannot seal .*model\.safetensors is corrupt.*restore the file")
+
+
+def test_heads_saved_through_save_pretrained_carry_a_manifest(world, target, tmp_path):
+    from spectrain import load_drafter
+    from spectrain.integrity import problems, read_manifest
+
+    head = load_drafter(str(world / "run" / "best"), target).model
+    head.save_pretrained(tmp_path / "h")
+    assert set(read_manifest(tmp_path / "h")) >= {"model.safetensors", "drafter_config.json"}
+    assert problems(tmp_path / "h") == []
+    load_drafter(str(tmp_path / "h"), target)

@@ -75,7 +75,7 @@ def load_drafter(spec, target) -> Drafter:
         from spectrain.integrity import verify
 
         verify(path, "drafter", fix="use another checkpoint (e.g. the run's last/ or a step-N/) or re-export it",
-               warn_missing=(path / "drafter_config.json").is_file())  # a plain HF model dir has none: no warning
+               warn_missing=False, required=(path / "drafter_config.json").is_file())  # an HF model dir has none
     cfg_file = path / "drafter_config.json"
     if cfg_file.is_file():
         try:

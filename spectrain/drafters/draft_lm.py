@@ -397,3 +397,6 @@ class DraftStudent(nn.Module):
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(path))
         (path / CONFIG_NAME).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+        from spectrain.integrity import seal_head
+
+        seal_head(path)  # every head spectrain writes carries SHA256SUMS (load_drafter requires it)

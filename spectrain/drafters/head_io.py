@@ -20,6 +20,9 @@ def save_head(path, config: dict, state: dict[str, torch.Tensor]) -> None:
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "kind": config["kind"]})
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    from spectrain.integrity import seal_head
+
+    seal_head(path)  # every head spectrain writes carries SHA256SUMS (load_drafter requires it)
 
 
 def check_state(state: dict[str, torch.Tensor], model: torch.nn.Module, where: str) -> None:
