@@ -402,8 +402,26 @@ def load_checkpoint(accelerator, ckpt: Path, recipe_dict: dict, scheduler=None) 
     return state
 
 
+def check_target(ckpt: Path, state: dict, target) -> None:
+    """Refuse to resume on another target: the checkpoint's fingerprint (its trainer state, or for an older
+    spectrain's checkpoint the run's run_info.json) must name this one."""
+    from spectrain.features import same_target, target_fingerprint
+
+    recorded = state.get("target_fingerprint")
+    info = ckpt.parent / "run_info.json"
+    if recorded is None and info.is_file() and not info.is_symlink():
+        try:
+            recorded = json.loads(info.read_text()).get("target_fingerprint")
+        except ValueError:
+            recorded = None
+    if same_target(recorded, target) is False:
+        raise ValueError(f"cannot resume from {ckpt}: it was trained on another target (fingerprint {recorded}; "
+                         f"{target.name_or_path!r} has {target_fingerprint(target)}: its config or weights differ); "
+                         "resume with the run's own target, or start a fresh run (a new output_dir)")
+
+
 def resume(accelerator, output_dir: Path, resume_from: str, recipe_dict: dict, metrics_path: Path,
-           scheduler=None) -> dict | None:
+           scheduler=None, target=None) -> dict | None:
     """Apply training.resume_from: restore everything and return the trainer state, or None (fresh run)."""
     if accelerator.is_main_process:
         gone = remove_leftovers(output_dir)
@@ -420,6 +438,8 @@ def resume(accelerator, output_dir: Path, resume_from: str, recipe_dict: dict, m
             truncate_metrics(metrics_path, 0)  # records of an attempt that died before its first checkpoint
         return None
     state = load_checkpoint(accelerator, path, recipe_dict, scheduler)
+    if target is not None:
+        check_target(path, state, target)
     accelerator.step = 0  # accelerate's micro-step counter: we always stop at an optimizer-step boundary
     if accelerator.is_main_process:
         truncate_metrics(metrics_path, state["step"])

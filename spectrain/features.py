@@ -54,18 +54,99 @@ def bytes_per_token(hidden: int, n_aux: int, dtype: str) -> int:
     return 5 + width * (n_aux + 1) * hidden
 
 
-def target_fingerprint(target) -> str:
-    """Identity of a target's weights, stable across load dtypes (hashed after rounding to bf16)."""
+FINGERPRINT_PREFIX = "v2-"  # v2: every parameter + the config; older checkpoints / caches hold a v1 value
+_VOLATILE_CONFIG = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation_autoset",
+                    "use_cache", "_commit_hash", "attn_implementation", "_attn_implementation"}
+
+
+def legacy_fingerprint(target) -> str:
+    """v1 (older spectrain): shapes + final norm + the first 64 rows of lm_head and embeddings, bf16-rounded."""
     from spectrain.target import gathered
 
     h = hashlib.sha256(json.dumps([target.num_layers, target.hidden_size, target.vocab_size]).encode())
     weights = (target.norm.weight, target.lm_head.weight, target.embed_tokens.weight)
     with gathered(weights):  # ZeRO-3 keeps only a slice of each weight on a rank
-        # FSDP2 keeps DTensor shards; the fingerprint is over the full values
         full = [w.full_tensor() if hasattr(w, "full_tensor") else w for w in weights]
         for w in (full[0], full[1][:64], full[2][:64]):
             h.update(w.detach().to(torch.bfloat16).float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:32]
+
+
+def _config_blob(target) -> bytes:
+    cfg = target.config.to_dict() if hasattr(target.config, "to_dict") else dict(vars(target.config))
+    cfg = {k: v for k, v in cfg.items() if k not in _VOLATILE_CONFIG}
+    return json.dumps(cfg, sort_keys=True, default=str).encode()
+
+
+def _sharded(model) -> bool:
+    return any(hasattr(p, "ds_shape") or hasattr(p, "full_tensor") for p in model.parameters())
+
+
+def _cache_key(target) -> tuple[Path, dict] | None:
+    """Where a local target's fingerprint is cached (the user's cache dir, never the model's own directory),
+    and the size + mtime of its files that must still match. None: not a local directory."""
+    root = Path(str(target.name_or_path)).expanduser()
+    if not root.is_dir():
+        return None
+    files = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(root.iterdir())
+             if f.is_file() and (f.suffix in (".safetensors", ".bin") or f.name == "config.json")}
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spectrain" / "fingerprints"
+    return base / (hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:24] + ".json"), files
+
+
+def _stream_hash(target) -> str:
+    """sha256 over the config and every parameter (by name, bf16-rounded: stable across load dtypes), one
+    tensor at a time (a ZeRO-3 / FSDP shard is gathered for its turn only)."""
+    from spectrain.target import gathered
+
+    h = hashlib.sha256(_config_blob(target))
+    for name, p in target.model.named_parameters(remove_duplicate=False):
+        with gathered([p]):
+            w = p.full_tensor() if hasattr(p, "full_tensor") else p
+            h.update(name.encode() + json.dumps(list(w.shape)).encode())
+            h.update(w.detach().to(torch.bfloat16).view(torch.int16).cpu().contiguous().numpy().tobytes())
+    return FINGERPRINT_PREFIX + h.hexdigest()[:32]
+
+
+def target_fingerprint(target) -> str:
+    """Identity of a target: its config and every parameter (v2). A local target's value is cached by its
+    files' size and mtime, so a new target costs one pass over its weights and a known one costs nothing."""
+    cached = getattr(target, "_spectrain_fingerprint", None)
+    if cached:
+        return cached
+    key = None if _sharded(target.model) else _cache_key(target)  # sharded: every rank computes (collectives)
+    if key is not None:
+        try:
+            rec = json.loads(key[0].read_text())
+            if rec.get("files") == key[1] and str(rec.get("fingerprint", "")).startswith(FINGERPRINT_PREFIX):
+                target._spectrain_fingerprint = rec["fingerprint"]
+                return rec["fingerprint"]
+        except (OSError, ValueError, AttributeError):
+            pass
+    fp = _stream_hash(target)
+    if key is not None:
+        try:
+            key[0].parent.mkdir(parents=True, exist_ok=True)
+            from spectrain.outputs import write_text_safe
+
+            write_text_safe(key[0], json.dumps({"target": str(target.name_or_path), "files": key[1], "fingerprint": fp}))
+        except OSError:
+            pass  # a read-only cache dir: the value is recomputed next time
+    try:
+        target._spectrain_fingerprint = fp
+    except AttributeError:
+        pass
+    return fp
+
+
+def same_target(recorded: str | None, target) -> bool | None:
+    """Does a recorded fingerprint name this target? None when nothing was recorded. A v1 value (older
+    spectrain) is compared with the v1 fingerprint, so older checkpoints and caches keep working."""
+    if not recorded:
+        return None
+    if str(recorded).startswith(FINGERPRINT_PREFIX):
+        return recorded == target_fingerprint(target)
+    return recorded == legacy_fingerprint(target)
 
 
 def data_hash(rows) -> str:
@@ -200,7 +281,8 @@ def write_feature_cache(target, splits: dict, out_dir, aux_layers: list[int], dt
     mpath = out / "manifest.json"
     old = json.loads(mpath.read_text()) if mpath.is_file() else None
     if old is not None:
-        diff = {k: (old.get(k), v) for k, v in header.items() if old.get(k) != v}
+        diff = {k: (old.get(k), v) for k, v in header.items() if old.get(k) != v
+                and not (k == "target_fingerprint" and same_target(old.get(k), target))}  # a v1 value still matches
         if diff:
             raise ValueError(f"{out} already holds a feature cache written with other settings "
                              f"(field: (cache, now) = {diff}); choose another training.feature_cache or delete {out}")
@@ -271,7 +353,7 @@ class FeatureCache:
             raise ValueError(f"{mfile}: format version {m.get('format_version')}, this spectrain reads "
                              f"{FORMAT_VERSION}; rebuild the cache")
         fp = target_fingerprint(target)
-        if m["target_fingerprint"] != fp:
+        if same_target(m["target_fingerprint"], target) is False:
             raise ValueError(f"feature cache {self.path} was written for target {m['target']!r} (fingerprint "
                              f"{m['target_fingerprint']}), not for {target.name_or_path!r} ({fp}): rebuild it "
                              "with `spectrain prepare-features` for this target")

@@ -254,7 +254,8 @@ def remove_leftovers(output_dir: Path) -> list[str]:
         else:
             p.unlink(missing_ok=True)
         gone.append(name)
-    journal.unlink()
+    if gone:  # the listed names are handled; a clean run's journal stays as it is
+        journal.unlink()
     return gone
 
 

@@ -385,8 +385,11 @@ def maybe_best(run, ev: dict | None) -> None:
 
 
 def save(run) -> Path:
+    from spectrain.features import target_fingerprint
+
     state = dict(run.state, recipe_hash=ckpt.recipe_hash(run.recipe.to_dict()),
-                 world_size=run.acc.num_processes, total_steps=run.total)
+                 world_size=run.acc.num_processes, total_steps=run.total,
+                 target_fingerprint=target_fingerprint(run.target))  # resume refuses another target
     drafter = run.acc.unwrap_model(run.model).drafter
     sd = full_state_dict(drafter) if is_sharded(drafter) else None  # collective
     return ckpt.save_checkpoint(run.acc, drafter, run.out, state, run.recipe.training.keep_checkpoints,
@@ -428,7 +431,7 @@ def _train(recipe, target, train_rows, heldout_rows, on_step) -> dict:
 
     run = setup(recipe, target, train_rows, heldout_rows)
     acc, t = run.acc, recipe.training
-    saved = ckpt.resume(acc, run.out, t.resume_from, recipe.to_dict(), run.metrics_path, run.sched)
+    saved = ckpt.resume(acc, run.out, t.resume_from, recipe.to_dict(), run.metrics_path, run.sched, run.target)
     if saved is not None:
         run.state = {k: saved[k] for k in run.state}
         extend(run, saved)

@@ -965,3 +965,49 @@ def test_heads_saved_through_save_pretrained_carry_a_manifest(world, target, tmp
     assert set(read_manifest(tmp_path / "h")) >= {"model.safetensors", "drafter_config.json"}
     assert problems(tmp_path / "h") == []
     load_drafter(str(tmp_path / "h"), target)
+
+
+def _changed_target(world: Path, dst: Path, copy: bool = True) -> Path:
+    """A copy of the target whose one decoder-layer weight differs (embeddings, lm_head and norm unchanged)."""
+    from safetensors.torch import load_file, save_file
+
+    if copy:
+        shutil.copytree(world / "target", dst)
+    (w,) = dst.glob("*.safetensors")
+    sd = load_file(str(w))
+    key = next(k for k in sd if ".layers.3." in k and k.endswith("mlp.down_proj.weight"))
+    sd[key] = sd[key] * 1.5
+    save_file(sd, str(w), metadata={"format": "pt"})
+    return dst
+
+
+def test_target_fingerprint_covers_every_layer_and_resume_refuses_another_target(world, target, tmp_path, capsys):
+    from spectrain import load_target
+    from spectrain.features import FINGERPRINT_PREFIX, legacy_fingerprint, same_target, target_fingerprint
+
+    other = load_target(str(_changed_target(world, tmp_path / "t2")), device="cpu")
+    fp = target_fingerprint(target)
+    assert fp.startswith(FINGERPRINT_PREFIX) and target_fingerprint(other) != fp
+    assert legacy_fingerprint(other) == legacy_fingerprint(target)  # what v1 missed
+    assert same_target(legacy_fingerprint(target), target) and same_target(None, target) is None  # old values still work
+    t = tmp_path / "t"
+    shutil.copytree(world / "target", t)
+    argv = train_argv(world, tmp_path / "r", f"target.name_or_path={t}", "training.max_steps=1")
+    assert cli_main(argv) == 0
+    _changed_target(world, t, copy=False)  # the same path, a decoder layer rebuilt
+    refused(capsys, [*argv, "training.resume_from=auto", "training.max_steps=2"],
+            r"cannot resume from .*step-1: it was trained on another target .*start a fresh run")
+
+
+def test_offline_feature_cache_refuses_a_target_with_other_layers(world, target, tmp_path):
+    from test_train import make_rows
+
+    from spectrain import load_target
+    from spectrain.features import FeatureCache, write_feature_cache
+
+    write_feature_cache(target, {"train": make_rows(4)}, tmp_path / "fc", [1, 3, 5], "fp32", max_length=64,
+                        verbose=False)
+    FeatureCache(tmp_path / "fc", target, split="train")
+    other = load_target(str(_changed_target(world, tmp_path / "t2")), device="cpu")
+    with pytest.raises(ValueError, match=r"feature cache .* was written for target"):
+        FeatureCache(tmp_path / "fc", other, split="train")

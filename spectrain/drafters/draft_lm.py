@@ -205,8 +205,8 @@ class DraftLMDrafter(Drafter):
 def _warn_if_other_target(path, target) -> None:
     cfg_file = Path(path) / CONFIG_NAME
     if cfg_file.is_file():  # a plain HF model (hub id or directory) records nothing
-        warn_if_other_target(json.loads(cfg_file.read_text()).get("target_fingerprint"), target,
-                             f"draft model at {path}")
+        cfg = json.loads(cfg_file.read_text())
+        warn_if_other_target(cfg.get("target_fingerprint"), target, f"draft model at {path}", cfg.get("target"))
 
 
 # ---- training: the draft model as a student of the frozen target --------------------------------

@@ -58,16 +58,21 @@ def read_head_config(path, kind: str, target, what: str) -> dict:
         if cfg[key] != have:
             raise ValueError(f"{what} at {path} was trained for a target with {key}={cfg[key]}, "
                              f"this target ({target.name_or_path}) has {have}: wrong target?")
-    warn_if_other_target(cfg.get("target_fingerprint"), target, f"{what} at {path}")
+    warn_if_other_target(cfg.get("target_fingerprint"), target, f"{what} at {path}", cfg.get("target"))
     return cfg
 
 
-def warn_if_other_target(recorded: str | None, target, what: str) -> None:
+def warn_if_other_target(recorded: str | None, target, what: str, recorded_name: str | None = None) -> None:
     """Same shapes do not mean same weights: a drafter trained on another build of the target loads fine
-    and then accepts almost nothing (decoding stays lossless). Warn, do not refuse."""
-    from spectrain.features import target_fingerprint
+    and then accepts almost nothing (decoding stays lossless). The same target name with other weights (a
+    rebuilt target) warns; another target name *and* other weights is refused."""
+    from spectrain.features import same_target, target_fingerprint
 
-    have = target_fingerprint(target)
-    if recorded and recorded != have:
-        warnings.warn(f"{what} was trained on a target with other weights (fingerprint {recorded}, this target "
-                      f"{have}): expect low acceptance; retrain it on this target", stacklevel=3)
+    if same_target(recorded, target) is not False:
+        return
+    name = str(target.name_or_path)
+    if recorded_name and Path(str(recorded_name)).name != Path(name).name and str(recorded_name) != name:
+        raise ValueError(f"{what} was trained for target {recorded_name!r} (fingerprint {recorded}), not for "
+                         f"{name!r} ({target_fingerprint(target)}): give that target, or retrain the drafter on this one")
+    warnings.warn(f"{what} was trained on a target with other weights (fingerprint {recorded}, this target "
+                  f"{target_fingerprint(target)}): expect low acceptance; retrain it on this target", stacklevel=3)
