@@ -15,6 +15,7 @@ symlink.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -77,7 +78,7 @@ def _open_nofollow(path: Path, flags: int):
     try:
         return os.open(path, flags | os.O_NOFOLLOW, 0o644)
     except OSError as e:
-        if e.errno == 40 or (path.is_symlink()):  # ELOOP: the last component is a symlink
+        if e.errno == errno.ELOOP or path.is_symlink():  # the last component is a symlink
             raise FileExistsError(f"{path} is a symbolic link (to {os.readlink(path)}): spectrain never writes "
                                   "through a link, which could point at another file of yours; remove the link "
                                   "or choose another output directory") from None
@@ -123,7 +124,7 @@ def _legacy_kind(d: Path) -> str | None:
 
     if has("trainer_state.json") or has("best.json") or has("drafter_config.json"):
         return "checkpoint"
-    if has("run_info.json") or (d / "init" / "drafter_config.json").is_file() or \
+    if has("run_info.json") or has(LOCK) or (d / "init" / "drafter_config.json").is_file() or \
             any(re.match(r"^step-\d+$", p.name) and (p / "trainer_state.json").is_file() for p in d.iterdir()):
         return "run"
     if has("report.json") and has("report.md"):
