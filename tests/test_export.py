@@ -21,6 +21,7 @@ from spectrain import export as E
 from spectrain.decoding import speculative_generate
 from spectrain.drafters.eagle3 import Eagle3Drafter, Eagle3Proposer
 from spectrain.export import medusa as medusa_export
+from spectrain.integrity import seal
 
 torch.set_num_threads(1)
 EAGLE3 = ("vllm-eagle3", "sglang-eagle3")
@@ -255,6 +256,7 @@ def make_draft_ckpt(path: Path, tokenizer: bool = True):
                                                           "target_vocab_size": 128}))
     (path / "best.json").write_text("{}")  # run bookkeeping that must not travel
     (path / "accelerate").mkdir()
+    seal(path)  # what spectrain's checkpointing writes; export refuses an unsealed checkpoint
     return model
 
 
@@ -449,6 +451,7 @@ def test_hf_draft_config_carries_both_rope_styles(tmp_path):
               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     cfg["rope_parameters"] = llama3
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
+    seal(tmp_path / "ckpt")
     E.export(tmp_path / "ckpt", "hf-draft", tmp_path / "out")
     out = json.loads((tmp_path / "out" / "config.json").read_text())
     assert out["rope_parameters"] == llama3 and out["rope_theta"] == 500000.0  # transformers 5 / 4.x
