@@ -148,6 +148,9 @@ def main(recipe_path: str, overrides: list[str], plan: str = "", mfu: float | No
 
         resolve_precision(r.training.precision)  # the same checks `train` runs before it loads anything
         check_trackers(r)
+        from spectrain.checkpoint import check_run_dir
+
+        check_run_dir(r)  # output_dir: never /, home, an input, a user's directory (spectrain/outputs.py)
         if r.drafter.kind == "ngram":
             print("note: drafter.kind=ngram is training-free: `spectrain train` refuses it; evaluate it with "
                   "`spectrain eval --drafter ngram`")

@@ -39,7 +39,17 @@ from typing import Any
 
 from spectrain import integrity
 from spectrain.errors import writing
-from spectrain.outputs import remove_leftovers, swap_in
+from spectrain.outputs import (
+    append_text_safe,
+    check_placement,
+    kind_of,
+    record_temp,
+    remove_leftovers,
+    run_lock,
+    swap_in,
+    write_marker,
+    write_text_safe,
+)
 from spectrain.safe_resume import check_files, load_engine_state
 
 STATE_FILE = "trainer_state.json"
@@ -130,7 +140,7 @@ def library_versions() -> dict[str, str]:
 def write_run_info(output_dir: Path, recipe, world_size: int, extra: dict | None = None) -> None:
     """Main process only: the resolved recipe, command line, git SHA, world size, library versions."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "recipe.yaml").write_text(recipe.to_yaml())
+    _atomic_write_text(output_dir / "recipe.yaml", recipe.to_yaml())  # a planted symlink is replaced, not followed
     info = {
         "command": [sys.executable, *sys.argv],
         "git_sha": _git_sha(),
@@ -142,6 +152,46 @@ def write_run_info(output_dir: Path, recipe, world_size: int, extra: dict | None
         **(extra or {}),
     }
     _atomic_write_text(output_dir / "run_info.json", json.dumps(info, indent=2))
+
+
+def run_inputs(recipe) -> list[tuple[str, str]]:
+    """What a training run reads: its output_dir may be none of these, nor hold one."""
+    t = recipe.training
+    out = [("target", recipe.target.name_or_path), *(("data file", f) for f in recipe.data.train_files)]
+    if t.features == "offline":
+        out.append(("feature cache", t.feature_cache))
+    own = Path(recipe.output_dir).expanduser().resolve()
+    if t.resume_from and t.resume_from != "auto" and Path(t.resume_from).expanduser().resolve().parent != own:
+        out.append(("checkpoint (training.resume_from)", t.resume_from))  # one of this run's own: resume's rules
+    if recipe.drafter.kind == "draft" and recipe.drafter.draft.model:
+        out.append(("draft model", recipe.drafter.draft.model))
+    return out
+
+
+def check_run_dir(recipe) -> Path:
+    """``output_dir`` placement (spectrain/outputs.py): a new or empty directory, or a spectrain run
+    directory; never /, home, an input or a directory holding one, a checkpoint, a user's directory."""
+    return check_placement(recipe.output_dir, "run", run_inputs(recipe), option="output_dir")
+
+
+def claim_run_dir(recipe):
+    """Check ``output_dir``, then (main process: RANK 0) lock it for this process and mark it a run
+    directory. A context manager: the lock is released when the run ends."""
+    import contextlib
+
+    out = check_run_dir(recipe)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return contextlib.nullcontext(out)
+    lock = run_lock(out)
+
+    @contextlib.contextmanager
+    def held():
+        with lock:
+            if kind_of(out) != "run":
+                write_marker(out, "run")
+            yield out
+
+    return held()
 
 
 def start_run(accelerator, recipe, extra: dict) -> None:
@@ -158,8 +208,7 @@ def append_metrics(accelerator, path: Path, rec: dict) -> None:
     """Main process: one JSON line per record, and the numeric fields to the trackers."""
     if not accelerator.is_main_process:
         return
-    with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
+    append_text_safe(path, json.dumps(rec) + "\n")  # refuses a symlink planted at metrics.jsonl
     if accelerator.trackers:
         from spectrain.tracking import log_record
 
@@ -167,9 +216,8 @@ def append_metrics(accelerator, path: Path, rec: dict) -> None:
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    record_temp(path.parent, f".{path.name}.tmp{os.getpid()}")  # write_text_safe's temp name
+    write_text_safe(path, text)
 
 
 def truncate_metrics(path: Path, step: int) -> None:
@@ -198,11 +246,19 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
 
 
 def save_drafter_dir(drafter, path: Path, state_dict: dict | None = None) -> None:
-    """``drafter.save_pretrained``; ``state_dict`` = the full weights when the module holds only a shard."""
-    if state_dict is None:
-        drafter.save_pretrained(str(path))
-    else:
-        drafter.save_pretrained(str(path), state_dict=state_dict)
+    """``drafter.save_pretrained``; ``state_dict`` = the full weights when the module holds only a shard.
+    Non-finite weights are never written (and so never sealed as good)."""
+    import torch
+
+    for name, t in (state_dict if state_dict is not None else drafter.state_dict()).items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"refusing to save {path}: drafter weight {name} holds NaN or Inf values; lower "
+                             "training.lr or use training.precision=fp32 and resume from the last good checkpoint")
+    with integrity.deferred_seal():  # the checkpoint is sealed once, over all its files, by the caller
+        if state_dict is None:
+            drafter.save_pretrained(str(path))
+        else:
+            drafter.save_pretrained(str(path), state_dict=state_dict)
 
 
 def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: int,
@@ -215,6 +271,7 @@ def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: i
     final = output_dir / f"step-{step}"
     tmp = output_dir / f".tmp-step-{step}"  # same name on every rank: they share the directory
     if accelerator.is_main_process:
+        record_temp(output_dir, tmp.name)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
@@ -231,7 +288,9 @@ def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: i
                 extra(tmp)
             integrity.seal(tmp)
     if accelerator.is_main_process:
-        if final.exists():  # a re-run of the same step (e.g. resumed then preempted again)
+        if final.is_symlink():  # never followed: the link goes, what it points to stays
+            final.unlink()
+        elif final.exists():  # a re-run of the same step (e.g. resumed then preempted again)
             shutil.rmtree(final)
         os.replace(tmp, final)
         _point_last(output_dir, final.name)
@@ -243,6 +302,7 @@ def save_checkpoint(accelerator, drafter, output_dir: Path, state: dict, keep: i
 def _point_last(output_dir: Path, name: str) -> None:
     link = output_dir / "last"
     tmp = output_dir / f".last.tmp{os.getpid()}"
+    record_temp(output_dir, tmp.name)
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
     os.symlink(name, tmp)  # relative, so the run dir can be moved
@@ -264,6 +324,8 @@ def save_drafter_atomic(drafter, final: Path, state_dict: dict | None = None, ex
     """Main process only: ``final`` (best/, init/) = loadable drafter weights (+ JSON files ``extra``) + SHA256SUMS,
     written into a temp dir and swapped in atomically."""
     tmp = final.with_name(f".tmp-{final.name}")
+    for name in (tmp.name, f".old-{final.name}"):  # swap_in's fallback name
+        record_temp(final.parent, name)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with writing(tmp, name=final):
@@ -354,8 +416,26 @@ def load_checkpoint(accelerator, ckpt: Path, recipe_dict: dict, scheduler=None) 
     return state
 
 
+def check_target(ckpt: Path, state: dict, target) -> None:
+    """Refuse to resume on another target: the checkpoint's fingerprint (its trainer state, or for an older
+    spectrain's checkpoint the run's run_info.json) must name this one."""
+    from spectrain.features import same_target, target_fingerprint
+
+    recorded = state.get("target_fingerprint")
+    info = ckpt.parent / "run_info.json"
+    if recorded is None and info.is_file() and not info.is_symlink():
+        try:
+            recorded = json.loads(info.read_text()).get("target_fingerprint")
+        except ValueError:
+            recorded = None
+    if same_target(recorded, target) is False:
+        raise ValueError(f"cannot resume from {ckpt}: it was trained on another target (fingerprint {recorded}; "
+                         f"{target.name_or_path!r} has {target_fingerprint(target)}: its config or weights differ); "
+                         "resume with the run's own target, or start a fresh run (a new output_dir)")
+
+
 def resume(accelerator, output_dir: Path, resume_from: str, recipe_dict: dict, metrics_path: Path,
-           scheduler=None) -> dict | None:
+           scheduler=None, target=None) -> dict | None:
     """Apply training.resume_from: restore everything and return the trainer state, or None (fresh run)."""
     if accelerator.is_main_process:
         gone = remove_leftovers(output_dir)
@@ -373,6 +453,8 @@ def resume(accelerator, output_dir: Path, resume_from: str, recipe_dict: dict, m
         return None
     state = load_checkpoint(accelerator, path, recipe_dict, scheduler)
     state["checkpoint_dir"] = str(path)  # where extra state (e.g. the on-policy snapshot) is read from
+    if target is not None:
+        check_target(path, state, target)
     accelerator.step = 0  # accelerate's micro-step counter: we always stop at an optimizer-step boundary
     if accelerator.is_main_process:
         truncate_metrics(metrics_path, state["step"])

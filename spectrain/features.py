@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 from spectrain.errors import writing
 from spectrain.integrity import sha256
+from spectrain.outputs import MARKER, check_placement, write_marker, write_text_safe
 
 FORMAT_VERSION = 1
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -54,21 +55,106 @@ def bytes_per_token(hidden: int, n_aux: int, dtype: str) -> int:
     return 5 + width * (n_aux + 1) * hidden
 
 
-def target_fingerprint(target) -> str:
-    """Identity of a target's weights, stable across load dtypes (hashed after rounding to bf16)."""
+FINGERPRINT_PREFIX = "v2-"  # v2: every parameter + the config; older checkpoints / caches hold a v1 value
+_VOLATILE_CONFIG = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation_autoset",
+                    "use_cache", "_commit_hash", "attn_implementation", "_attn_implementation"}
+
+
+def legacy_fingerprint(target) -> str:
+    """v1 (older spectrain): shapes + final norm + the first 64 rows of lm_head and embeddings, bf16-rounded."""
     from spectrain.target import gathered
 
     h = hashlib.sha256(json.dumps([target.num_layers, target.hidden_size, target.vocab_size]).encode())
-    gguf = getattr(target, "gguf", None)
-    if gguf:  # a dequantized GGUF: which file and quantization the weights came from
-        h.update(json.dumps([gguf["gguf_sha256"], gguf["quant_type"]]).encode())
     weights = (target.norm.weight, target.lm_head.weight, target.embed_tokens.weight)
     with gathered(weights):  # ZeRO-3 keeps only a slice of each weight on a rank
-        # FSDP2 keeps DTensor shards; the fingerprint is over the full values
         full = [w.full_tensor() if hasattr(w, "full_tensor") else w for w in weights]
         for w in (full[0], full[1][:64], full[2][:64]):
             h.update(w.detach().to(torch.bfloat16).float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:32]
+
+
+def _config_blob(target) -> bytes:
+    cfg = target.config.to_dict() if hasattr(target.config, "to_dict") else dict(vars(target.config))
+    cfg = {k: v for k, v in cfg.items() if k not in _VOLATILE_CONFIG}
+    return json.dumps(cfg, sort_keys=True, default=str).encode()
+
+
+def _sharded(model) -> bool:
+    return any(hasattr(p, "ds_shape") or hasattr(p, "full_tensor") for p in model.parameters())
+
+
+def _cache_key(target) -> tuple[Path, dict] | None:
+    """Where a local target's fingerprint is cached (the user's cache dir, never the model's own directory),
+    and the size + mtime of its files that must still match. None: not a local directory."""
+    root = Path(str(getattr(target, "load_path", None) or target.name_or_path)).expanduser()  # a GGUF's copy
+    if not root.is_dir():
+        return None
+    files = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(root.iterdir())
+             if f.is_file() and (f.suffix in (".safetensors", ".bin") or f.name == "config.json")}
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spectrain" / "fingerprints"
+    name = str(root.resolve()) + _gguf_blob(target).decode()
+    return base / (hashlib.sha256(name.encode()).hexdigest()[:24] + ".json"), files
+
+
+def _gguf_blob(target) -> bytes:
+    """A dequantized GGUF target: which file and quantization its weights came from (part of its identity)."""
+    gguf = getattr(target, "gguf", None)
+    return json.dumps([gguf["gguf_sha256"], gguf["quant_type"]]).encode() if gguf else b""
+
+
+def _stream_hash(target) -> str:
+    """sha256 over the config and every parameter (by name, bf16-rounded: stable across load dtypes), one
+    tensor at a time (a ZeRO-3 / FSDP shard is gathered for its turn only)."""
+    from spectrain.target import gathered
+
+    h = hashlib.sha256(_config_blob(target) + _gguf_blob(target))
+    for name, p in target.model.named_parameters(remove_duplicate=False):
+        with gathered([p]):
+            w = p.full_tensor() if hasattr(p, "full_tensor") else p
+            h.update(name.encode() + json.dumps(list(w.shape)).encode())
+            h.update(w.detach().to(torch.bfloat16).view(torch.int16).cpu().contiguous().numpy().tobytes())
+    return FINGERPRINT_PREFIX + h.hexdigest()[:32]
+
+
+def target_fingerprint(target) -> str:
+    """Identity of a target: its config and every parameter (v2). A local target's value is cached by its
+    files' size and mtime, so a new target costs one pass over its weights and a known one costs nothing."""
+    cached = getattr(target, "_spectrain_fingerprint", None)
+    if cached:
+        return cached
+    key = None if _sharded(target.model) else _cache_key(target)  # sharded: every rank computes (collectives)
+    if key is not None:
+        try:
+            rec = json.loads(key[0].read_text())
+            if rec.get("files") == key[1] and str(rec.get("fingerprint", "")).startswith(FINGERPRINT_PREFIX):
+                target._spectrain_fingerprint = rec["fingerprint"]
+                return rec["fingerprint"]
+        except (OSError, ValueError, AttributeError):
+            pass
+    fp = _stream_hash(target)
+    if key is not None:
+        try:
+            key[0].parent.mkdir(parents=True, exist_ok=True)
+            from spectrain.outputs import write_text_safe
+
+            write_text_safe(key[0], json.dumps({"target": str(target.name_or_path), "files": key[1], "fingerprint": fp}))
+        except OSError:
+            pass  # a read-only cache dir: the value is recomputed next time
+    try:
+        target._spectrain_fingerprint = fp
+    except AttributeError:
+        pass
+    return fp
+
+
+def same_target(recorded: str | None, target) -> bool | None:
+    """Does a recorded fingerprint name this target? None when nothing was recorded. A v1 value (older
+    spectrain) is compared with the v1 fingerprint, so older checkpoints and caches keep working."""
+    if not recorded:
+        return None
+    if str(recorded).startswith(FINGERPRINT_PREFIX):
+        return recorded == target_fingerprint(target)
+    return recorded == legacy_fingerprint(target)
 
 
 def data_hash(rows) -> str:
@@ -141,9 +227,7 @@ def _compute_shard(target, rows, aux_layers: list[int], dtype: str, batch_size: 
 
 
 def _write_manifest(out: Path, manifest: dict) -> None:
-    tmp = out / f"manifest.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, out / "manifest.json")
+    write_text_safe(out / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
 def cache_header(target, aux_layers: list[int], dtype: str, max_length: int) -> dict:
@@ -176,9 +260,7 @@ def _write_shard(target, out: Path, name: str, split: str, rows, a: int, b: int,
     entry = {"file": name, "row_start": a, "rows": b - a, "lengths": lengths[a:b], "tokens": sum(lengths[a:b]),
              "bytes": path.stat().st_size, "sha256": sha256(path)}
     # The sidecar is how another rank (or a resumed run) learns that this shard is finished.
-    side = out / f"{name}.json.tmp{os.getpid()}"
-    side.write_text(json.dumps(entry))
-    os.replace(side, out / f"{name}.json")
+    write_text_safe(out / f"{name}.json", json.dumps(entry))
     return entry
 
 
@@ -200,12 +282,15 @@ def write_feature_cache(target, splits: dict, out_dir, aux_layers: list[int], dt
     j = r, r + world, ... and rank 0 writes the manifest once all are done (``barrier`` = the group's)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if rank == 0 and not (out / MARKER).is_file():
+        write_marker(out, "features")  # a later run may finish / reuse this cache; nothing else replaces it
     aux_layers = target.validate_aux_layers(aux_layers)
     header = cache_header(target, aux_layers, dtype, max_length)
     mpath = out / "manifest.json"
     old = json.loads(mpath.read_text()) if mpath.is_file() else None
     if old is not None:
-        diff = {k: (old.get(k), v) for k, v in header.items() if old.get(k) != v}
+        diff = {k: (old.get(k), v) for k, v in header.items() if old.get(k) != v
+                and not (k == "target_fingerprint" and same_target(old.get(k), target))}  # a v1 value still matches
         if diff:
             raise ValueError(f"{out} already holds a feature cache written with other settings "
                              f"(field: (cache, now) = {diff}); choose another training.feature_cache or delete {out}")
@@ -276,7 +361,7 @@ class FeatureCache:
             raise ValueError(f"{mfile}: format version {m.get('format_version')}, this spectrain reads "
                              f"{FORMAT_VERSION}; rebuild the cache")
         fp = target_fingerprint(target)
-        if m["target_fingerprint"] != fp:
+        if same_target(m["target_fingerprint"], target) is False:
             raise ValueError(f"feature cache {self.path} was written for target {m['target']!r} (fingerprint "
                              f"{m['target_fingerprint']}), not for {target.name_or_path!r} ({fp}): rebuild it "
                              "with `spectrain prepare-features` for this target")
@@ -431,6 +516,9 @@ def main(recipe_path: str, overrides: list[str]) -> int:
     if not out:
         raise ValueError("training.feature_cache is empty: set the cache directory, e.g. "
                          "training.feature_cache=.cache/features/tiny-eagle3")
+    check_placement(out, "features", [("target", recipe.target.name_or_path),
+                                      *(("data file", f) for f in recipe.data.train_files)],
+                    option="training.feature_cache")
     rank, world, device, barrier = _process_group()
     if world > 1 and recipe.target.device_map:
         raise ValueError(f"target.device_map={recipe.target.device_map!r} spreads one target over all visible "

@@ -4,9 +4,11 @@
 ``seal(dir)`` writes it (last, once every other file is in place) and makes the tree readable by other
 users (files 0644, dirs 0755, minus the umask); ``verify(dir)`` refuses a directory whose files differ
 from it, naming the file; resume, ``load_drafter``, ``spectrain eval`` and ``spectrain export`` call it.
-A directory without a manifest (written by an older spectrain or another tool) is accepted with a
-warning; a manifest that lists a missing file, or a weight / pickle file the manifest does not list, is
-refused: spectrain wrote neither.
+A spectrain checkpoint or head without a manifest is refused (``spectrain seal DIR`` for one you trust,
+or SPECTRAIN_ALLOW_UNSEALED=1); any other directory without one (an HF model) is accepted with a warning; a manifest that lists a missing file, or a weight / pickle file the manifest does not list, is
+refused: spectrain wrote neither. A manifest names only relative paths inside its directory (no absolute
+path, no ``..``), and a symlink in the directory that points outside it is refused: nothing outside the
+directory is ever read, hashed or copied on its behalf.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 MANIFEST = "SHA256SUMS"
@@ -43,6 +47,33 @@ def _files(root: Path) -> list[str]:
     return sorted(out)
 
 
+def link_inside(link: Path, root: Path) -> bool:
+    """``link`` resolves to an existing file inside ``root`` (or, for a Hugging Face cache snapshot
+    ``.../snapshots/<rev>/``, inside that repository's ``blobs/``, where the hub cache keeps the files)."""
+    base, t = root.resolve(), link.resolve()
+    bases = [base] + ([base.parent.parent / "blobs"] if base.parent.name == "snapshots" else [])
+    return t.exists() and any(b in t.parents for b in bases)
+
+
+def outside_links(root: Path) -> list[str]:
+    """Symlinks under ``root`` whose target lies outside it (or dangles): spectrain never writes one."""
+    out = []
+    for dirpath, dirs, names in os.walk(root):
+        for n in names + dirs:
+            p = Path(dirpath) / n
+            if p.is_symlink():
+                if not link_inside(p, Path(root)):
+                    out.append(f"{p} is a symbolic link to {os.readlink(p)}, outside {root}: spectrain never writes "
+                               "one (it would read another file of yours); replace it with the file itself")
+    return out
+
+
+def _inside(rel: str) -> bool:
+    """A manifest entry names a file inside its directory: relative, no '..', no empty or '.' parts."""
+    parts = rel.split("/")
+    return bool(rel) and not rel.startswith("/") and "\\" not in rel and not any(x in ("", ".", "..") for x in parts)
+
+
 def make_readable(root: Path) -> None:
     """Files 0644 and dirs 0755 minus the umask (tempfile.mkdtemp creates 0700, which a serving engine
     running as another user cannot read)."""
@@ -56,14 +87,18 @@ def make_readable(root: Path) -> None:
                 os.chmod(p, 0o644 & ~mask)
 
 
-def seal(root) -> Path:
-    """Write ``root/SHA256SUMS`` over every file under ``root`` and make the tree readable."""
+def seal(root, readable: bool = True) -> Path:
+    """Write ``root/SHA256SUMS`` over every file under ``root`` and (``readable``) make the tree readable."""
     root = Path(root)
+    links = outside_links(root)
+    if links:
+        raise IntegrityError(f"cannot seal {root}: {links[0]}")
     lines = [f"{sha256(root / rel)}  {rel}\n" for rel in _files(root)]
     tmp = root / f".{MANIFEST}.tmp{os.getpid()}"
     tmp.write_text("".join(lines))
     os.replace(tmp, root / MANIFEST)
-    make_readable(root)
+    if readable:
+        make_readable(root)
     return root / MANIFEST
 
 
@@ -77,17 +112,21 @@ def read_manifest(root: Path) -> dict[str, str] | None:
         if not sep or len(digest) != 64 or not rel:
             raise IntegrityError(f"{f} line {i} is malformed (expected '<sha256>  <file>'): the manifest itself is "
                                  "damaged; re-download or re-create the directory")
-        out[rel.lstrip("*")] = digest
+        rel = rel.lstrip("*")
+        if not _inside(rel):
+            raise IntegrityError(f"{f} line {i} names {rel!r}, a path outside its directory (absolute or with '..'): "
+                                 "a manifest lists only files inside its own directory; it was damaged or tampered "
+                                 "with, so re-create the directory from a good copy")
+        out[rel] = digest
     return out
 
 
 def problems(root) -> list[str]:
     """What is wrong with ``root`` against its manifest ([] = verified, or no manifest to verify)."""
     root = Path(root)
-    listed = read_manifest(root)
+    listed, out = read_manifest(root), outside_links(root)
     if listed is None:
-        return []
-    out = []
+        return out
     for rel, digest in listed.items():
         p = root / rel
         if not p.is_file():
@@ -115,9 +154,18 @@ def unreadable(root) -> list[str]:
     return out
 
 
-def verify(root, what: str = "directory", fix: str = "", warn_missing: bool = True) -> bool:
+ALLOW_UNSEALED_ENV = "SPECTRAIN_ALLOW_UNSEALED"
+
+
+def allow_unsealed() -> bool:
+    return os.environ.get(ALLOW_UNSEALED_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def verify(root, what: str = "directory", fix: str = "", warn_missing: bool = True, required: bool = False) -> bool:
     """Refuse ``root`` when a file differs from its manifest (IntegrityError naming the file and ``fix``);
-    True when verified, False (with a warning) when there is no manifest to verify against."""
+    True when verified. Without a manifest: ``required`` (a spectrain checkpoint or head, which always carries
+    one) refuses it, naming ``spectrain seal`` and SPECTRAIN_ALLOW_UNSEALED=1; otherwise False (with a warning
+    unless ``warn_missing`` is off)."""
     root = Path(root)
     found = problems(root) or unreadable(root)
     if found:
@@ -125,6 +173,11 @@ def verify(root, what: str = "directory", fix: str = "", warn_missing: bool = Tr
         raise IntegrityError(f"{what} {root} failed its integrity check: {found[0]}{more}; "
                              f"{fix or 'restore it from a good copy or re-create it'}")
     if read_manifest(root) is None:
+        if required and not allow_unsealed():
+            raise IntegrityError(f"{what} {root} has no {MANIFEST}, so its files cannot be checked (every checkpoint "
+                                 "and head spectrain writes carries one; this one lost it or was made elsewhere): "
+                                 f"if you trust it, seal it with `spectrain seal {root}`, or set "
+                                 f"{ALLOW_UNSEALED_ENV}=1 to use it unchecked")
         if not warn_missing:
             return False
         warnings.warn(f"{what} {root} has no {MANIFEST} (saved outside spectrain's checkpointing and export, e.g. "
@@ -132,6 +185,55 @@ def verify(root, what: str = "directory", fix: str = "", warn_missing: bool = Tr
                       "checked for corruption", stacklevel=2)
         return False
     return True
+
+
+_DEFERRED = []  # non-empty while a caller (a checkpoint save) seals the whole directory itself afterwards
+
+
+@contextmanager
+def deferred_seal() -> Iterator[None]:
+    """Inside: ``seal_head`` does nothing (the caller seals once, over every file, at the end)."""
+    _DEFERRED.append(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.pop()
+
+
+def seal_head(path) -> None:
+    """Seal a head directory that ``save_pretrained`` just wrote (file modes left alone)."""
+    if not _DEFERRED:
+        seal(path, readable=False)
+
+
+def add_seal_args(p):
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="checkpoint or head directories you trust")
+    return p
+
+
+def main(args) -> int:
+    return seal_command(args.dirs)
+
+
+def seal_command(dirs: list[str]) -> int:
+    """`spectrain seal DIR ...`: write SHA256SUMS for directories you trust. A directory whose files differ
+    from an existing manifest is refused (sealing would bless the damage); unreadable weights and links out of
+    the directory are refused too. File modes are left as they are."""
+    for d in map(Path, dirs):
+        if not d.is_dir():
+            raise FileNotFoundError(f"{d} is not a directory: give a checkpoint or head directory to seal")
+        bad = problems(d) if read_manifest(d) is not None else outside_links(d)
+        bad = bad or unreadable(d)
+        if bad:
+            raise IntegrityError(f"cannot seal {d}: {bad[0]}; restore the file from a good copy (or, for a "
+                                 f"manifest you know is stale, delete {d / MANIFEST} first)")
+        if read_manifest(d) is not None:
+            print(f"{d}: already sealed, every file matches {MANIFEST}")
+            continue
+        n = len(_files(d))
+        seal(d, readable=False)
+        print(f"sealed {d}: {n} files listed in {d / MANIFEST}")
+    return 0
 
 
 def untrusted_pickles(root, allowed: tuple[str, ...]) -> list[Path]:

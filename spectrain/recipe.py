@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -285,9 +286,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         # YAML 1.1 reads `1e-4` (no dot) as a string, so numeric strings are accepted too.
         try:
             if not isinstance(value, bool) and isinstance(value, (int, float, str)):
-                return float(value)
-        except ValueError:
-            pass
+                number = float(value)
+                if not math.isfinite(number):
+                    raise ValueError(f"{where}: {value!r} is not a finite number; give a finite value")
+                return number
+        except (ValueError, OverflowError) as e:
+            if "finite" in str(e):
+                raise
         raise ValueError(f"{where}: expected a number, got {value!r}")
     if tp is str:
         if value is None:
@@ -359,7 +364,7 @@ def validate(r: Recipe) -> Recipe:
     _require(t.global_batch_size > 0 and t.micro_batch_size > 0,
              "training.global_batch_size and training.micro_batch_size must be positive")
     t.grad_accum(1)  # divisibility on one process; the launcher re-checks with the real world size
-    _require(t.lr > 0, f"training.lr={t.lr} must be > 0")
+    _require(0 < t.lr <= 1, f"training.lr={t.lr} must be in (0, 1] (AdamW; typical 1e-4 .. 3e-3)")
     _require(t.weight_decay >= 0, f"training.weight_decay={t.weight_decay} must be >= 0")
     _require(t.warmup_steps >= 0, f"training.warmup_steps={t.warmup_steps} must be >= 0")
     _require(t.epochs >= 1 or t.max_steps > 0, "training: need epochs >= 1 or max_steps > 0")

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from spectrain.outputs import write_text_safe
 from spectrain.sampling import Sampler
 
 
@@ -275,7 +276,7 @@ def _check_meta(part: Path, meta: dict) -> None:
             changes = ", ".join(f"{k}: {old.get(k)!r} -> {meta.get(k)!r}" for k in diff)
             raise ValueError(f"{part} was started with other settings ({changes}); "
                              "rerun with the same settings to resume, or delete that .tmp file to start over")
-    meta_path.write_text(json.dumps(meta, indent=1))
+    write_text_safe(meta_path, json.dumps(meta, indent=1))
 
 
 def _write_part(target, rows: list[dict], tmp: Path, cfg: RegenConfig, stats: RegenStats) -> None:
@@ -333,13 +334,22 @@ def _merge(parts: list[Path], rows: list[dict], out: Path, stats: RegenStats) ->
 # ---- entry point -----------------------------------------------------------------------------------------
 
 
-def _check_out(out: Path) -> None:
+def _check_out(out: Path, recipe=None, part: Path | None = None) -> None:
+    """Placement (spectrain/outputs.py): a new .jsonl file, not in the target's directory, no symlink at it or
+    at its temp files; a temp part is resumed only when it carries the .meta.json regenerate wrote beside it."""
+    from spectrain.outputs import check_file_placement
+
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory; give a file path ending in .jsonl")
     if out.suffix != ".jsonl":
         raise ValueError(f"--out {out}: use a .jsonl name so that data.train_files can read it back")
     if out.exists():
         raise ValueError(f"--out {out} already exists; delete it or choose another path")
+    temps = [] if part is None else [part, part.with_suffix(".done"), part.with_name(part.name + ".meta.json")]
+    check_file_placement(out, [("target", recipe.target.name_or_path)] if recipe else [], temps)
+    if part is not None and part.exists() and not temps[2].is_file():
+        raise FileExistsError(f"--out {out}: {part} exists but regenerate did not write it (no {temps[2].name} "
+                              "beside it); move it away or choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
@@ -393,6 +403,7 @@ def regenerate(recipe_path: str, overrides: list[str], out: str | Path, cfg: Reg
     if server is not None:  # the URLs and the concurrency may change between runs; who answers may not
         meta.update(dtype="server", server_model=server.model)
     part = out.with_name(f"{out.name}.rank{rank}.tmp" if world > 1 else f"{out.name}.tmp")
+    _check_out(out, recipe, part)
     marker = part.with_suffix(".done")
     marker.unlink(missing_ok=True)
     _check_meta(part, meta)
@@ -408,7 +419,7 @@ def regenerate(recipe_path: str, overrides: list[str], out: str | Path, cfg: Reg
     else:
         _write_part(_load_target(recipe, world), rows[rank::world], part, cfg, stats)
     counts = {k: getattr(stats, k) for k in _RANK_COUNTS}
-    marker.write_text(json.dumps({"meta": meta, "counts": counts}))  # written last: this part is complete
+    write_text_safe(marker, json.dumps({"meta": meta, "counts": counts}))  # written last: this part is complete
     if rank != 0:
         print(f"regenerate: rank {rank} done ({len(rows[rank::world])} rows); rank 0 merges", flush=True)
         return stats

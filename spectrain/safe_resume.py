@@ -23,7 +23,7 @@ LEGACY_SCHEDULER = "custom_checkpoint_0.pkl"  # an older spectrain's LR schedule
 def check_files(ckpt: Path, legacy: bool) -> None:
     """Integrity (SHA256SUMS) and no pickle spectrain did not write, before anything is loaded."""
     integrity.verify(ckpt, "checkpoint", fix="resume from another checkpoint of the run (training.resume_from="
-                     "<run>/step-N) or start a fresh run; do not train on from damaged files")
+                     "<run>/step-N) or start a fresh run; do not train on from damaged files", required=True)
     engine = ckpt / "accelerate"
     extra = integrity.untrusted_pickles(engine, _ENGINE_PICKLES + ((LEGACY_SCHEDULER,) if legacy else ()))
     if extra:

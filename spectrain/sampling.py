@@ -19,12 +19,9 @@ class Sampler:
     generator: torch.Generator | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        from spectrain.validate import check_sampling
+
+        check_sampling(self.temperature, self.top_p, self.top_k)  # also: finite, T in TEMPERATURE_RANGE
 
     @property
     def greedy(self) -> bool:
@@ -33,7 +30,9 @@ class Sampler:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Warped distribution over the last dim (fp32). Greedy gives the one-hot argmax."""
         logits = logits.float()
-        if self.greedy:
+        if bool(torch.isnan(logits).any() or torch.isposinf(logits).any()):  # -inf = a masked token, fine
+            raise ValueError("the model produced NaN or +Inf logits (broken weights or an overflow in its dtype): "
+                             "decoding refuses them; check the drafter/target weights or use float32")
             return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
         logits = logits / self.temperature
         if self.top_k and self.top_k < logits.shape[-1]:
@@ -46,7 +45,13 @@ class Sampler:
             drop_sorted = (cum - sorted_logits.softmax(-1)) >= self.top_p
             drop = drop_sorted.scatter(-1, idx, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
-        return logits.softmax(-1)
+        probs = logits.softmax(-1)
+        if not bool(torch.isfinite(probs).all()):
+            from spectrain.validate import TEMPERATURE_RANGE
+
+            raise ValueError(f"the distribution warped at temperature {self.temperature:g} is not finite: use 0 "
+                             f"(greedy) or a temperature in [{TEMPERATURE_RANGE[0]:g}, {TEMPERATURE_RANGE[1]:g}]")
+        return probs
 
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
         """Draw one token per row of `probs` ([..., V]); argmax when greedy."""

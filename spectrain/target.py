@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -237,6 +238,9 @@ def looks_local(src: str) -> bool:
 
 def _check_source(name_or_path, device) -> None:
     """Fail with the cause before transformers does (its errors for these are long and indirect)."""
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
+        raise ValueError(f"load_target: name_or_path must be a non-empty hub id or model directory, got "
+                         f"{name_or_path!r}")
     try:
         kind = torch.device(device).type
     except RuntimeError:

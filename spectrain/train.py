@@ -284,6 +284,12 @@ def _pool(acc, losses: list[float], parts: list[tuple[dict, float]]) -> dict:
     return out
 
 
+def _non_finite_weight(module: nn.Module) -> str | None:
+    """The first trainable weight holding NaN / Inf (None: all finite)."""
+    return next((n for n, p in module.named_parameters() if p.requires_grad and p.numel()
+                 and not bool(torch.isfinite(p.detach()).all())), None)
+
+
 def train_step(run) -> dict:
     acc, t, st = run.acc, run.recipe.training, run.state
     losses, parts, tokens, finite = [], [], 0, True
@@ -310,6 +316,12 @@ def train_step(run) -> dict:
     if finite:
         norm = acc.clip_grad_norm_(run.model.parameters(), t.grad_clip) if t.grad_clip > 0 else None
         run.opt.step()
+        bad = _non_finite_weight(run.drafter)
+        if _all_ranks(acc, bad is not None):  # sharded (ZeRO-3 / FSDP): each rank checks its shard
+            raise TrainingDiverged(
+                f"step {st['step'] + 1}: the update made the drafter's weights non-finite ({bad or 'on another rank'}; "
+                f"training.lr={t.lr}): the run stops and nothing of this step is saved; lower training.lr or use "
+                "training.precision=fp32, then resume from the last checkpoint (training.resume_from=auto)")
         st["nan_streak"] = 0
         if norm is not None:
             rec["grad_norm"] = float(norm)
@@ -400,8 +412,11 @@ def maybe_best(run, ev: dict | None) -> None:
 
 
 def save(run) -> Path:
+    from spectrain.features import target_fingerprint
+
     state = dict(run.state, recipe_hash=ckpt.recipe_hash(run.recipe.to_dict()),
-                 world_size=run.acc.num_processes, total_steps=run.total)
+                 world_size=run.acc.num_processes, total_steps=run.total,
+                 target_fingerprint=target_fingerprint(run.target))  # resume refuses another target
     drafter = run.acc.unwrap_model(run.model).drafter
     sd = full_state_dict(drafter) if is_sharded(drafter) else None  # collective
     return ckpt.save_checkpoint(run.acc, drafter, run.out, state, run.recipe.training.keep_checkpoints,
@@ -433,7 +448,13 @@ def extend(run, saved: dict) -> None:
 
 def train(recipe, target=None, train_rows=None, heldout_rows=None,
           on_step: Callable[[Run, dict], None] | None = None) -> dict:
-    """Train `recipe`'s drafter; returns a summary. target/rows may be passed in (tests, notebooks)."""
+    """Train `recipe`'s drafter; returns a summary. target/rows may be passed in (tests, notebooks).
+    ``output_dir`` is checked and locked first (spectrain/outputs.py): nothing is written before."""
+    with ckpt.claim_run_dir(recipe):
+        return _train(recipe, target, train_rows, heldout_rows, on_step)
+
+
+def _train(recipe, target, train_rows, heldout_rows, on_step) -> dict:
     from tqdm.auto import tqdm
 
     run = setup(recipe, target, train_rows, heldout_rows)
@@ -443,7 +464,7 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
     n = lambda ps: sum(getattr(p, "ds_numel", p.numel()) for p in ps)  # noqa: E731 (ZeRO-3: the full size)
     require_train_disk(run.out, n(run.drafter.parameters()), n(run.params),
                        t.keep_checkpoints)
-    saved = ckpt.resume(acc, run.out, t.resume_from, recipe.to_dict(), run.metrics_path, run.sched)
+    saved = ckpt.resume(acc, run.out, t.resume_from, recipe.to_dict(), run.metrics_path, run.sched, run.target)
     if saved is not None:
         run.state = {k: saved[k] for k in run.state}
         extend(run, saved)

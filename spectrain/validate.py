@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+# Sampling temperatures spectrain decodes with: 0 (greedy) or this range. Outside it logits / T overflows
+# float32 (tiny T: inf, then NaN after softmax) or flattens every distribution to uniform (huge T).
+TEMPERATURE_RANGE = (1e-4, 1e4)
 # Tree options the drafters read (DraftContext.tree): nodes expanded per level, depth, nodes in all.
 TREE_KEYS = ("topk", "depth", "total_tokens")
 
@@ -36,6 +39,11 @@ def check_sampling(temperature, top_p, top_k) -> None:
             raise ValueError(f"{name} must be a finite number, got {value!r}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    lo, hi = TEMPERATURE_RANGE
+    if temperature and not lo <= temperature <= hi:
+        raise ValueError(f"temperature={temperature!r} is outside the supported range: use 0 (greedy) or a value in "
+                         f"[{lo:g}, {hi:g}] (beyond it the warped distribution logits/T is not finite in float32 "
+                         "or is flat)")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
@@ -67,9 +75,41 @@ def check_token_ids(input_ids, vocab_size: int) -> None:
                              f"{vocab_size} ids (0..{vocab_size - 1}): tokenise with the target's tokenizer")
 
 
+def positive_int(name: str, value, allow_none: bool = False) -> None:
+    """``value`` is a positive int (a bool is not: ``max_new_tokens=True`` is a mistake, not 1)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_drafter_arg(drafter, target) -> None:
+    """``drafter`` is None or a loaded spectrain Drafter for this target; name the usual mistakes."""
+    from spectrain.drafters.base import Drafter
+
+    if drafter is None or isinstance(drafter, Drafter):
+        other = getattr(drafter, "target", None)
+        if other is not None and other is not target:
+            diff = [f"{k} {getattr(other, k, None)} vs {getattr(target, k, None)}"
+                    for k in ("hidden_size", "vocab_size", "num_layers") if getattr(other, k, None) != getattr(target, k, None)]
+            if diff:
+                raise ValueError(f"the drafter was loaded for another target ({getattr(other, 'name_or_path', '?')}: "
+                                 f"{', '.join(diff)}): load it for this one with load_drafter(path, target)")
+        return
+    if isinstance(drafter, (str, bytes)) or hasattr(drafter, "__fspath__"):
+        raise ValueError(f"drafter={str(drafter)!r} is a path, not a drafter: load it first with "
+                         "spectrain.load_drafter(path, target) (or pass 'ngram' there)")
+    if drafter is target or (hasattr(drafter, "model") and hasattr(drafter, "tokenizer") and hasattr(drafter, "forward")):
+        raise ValueError("the target was passed as the drafter: pass a drafter from spectrain.load_drafter(...) "
+                         "(e.g. an EAGLE-3 head, 'ngram', or a small draft model), or drafter=None for plain decoding")
+    raise ValueError(f"drafter must be a spectrain Drafter (from spectrain.load_drafter) or None, got "
+                     f"{type(drafter).__name__}")
+
+
 def check_generate_args(target, drafter, input_ids, k=5, tree=None, temperature=0.0, top_p=1.0, top_k=0) -> None:
     """Everything ``speculative_generate`` can check before it decodes (ValueError naming the argument).
     ``drafter=None`` is plain decoding: k is not used."""
+    check_drafter_arg(drafter, target)
     if drafter is not None and (isinstance(k, bool) or not isinstance(k, int) or k <= 0):
         raise ValueError(f"k (draft length / tree depth) must be a positive integer, got {k!r}")
     check_tree(tree)

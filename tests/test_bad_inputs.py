@@ -124,9 +124,10 @@ def test_planted_pickle_with_a_resealed_manifest_is_still_refused(world, tmp_pat
     assert not marker.exists()
 
 
-def test_legacy_checkpoint_scheduler_pickle_read_as_data_only(world, tmp_path, capsys):
+def test_legacy_checkpoint_scheduler_pickle_read_as_data_only(world, tmp_path, capsys, monkeypatch):
     """A checkpoint of an older spectrain (scheduler in accelerate's custom_checkpoint_0.pkl, no manifest):
     a plain-data one resumes, one holding objects is refused and runs nothing."""
+    monkeypatch.setenv("SPECTRAIN_ALLOW_UNSEALED", "1")  # an older spectrain's checkpoint has no manifest
     run = copy_run(world, tmp_path)
     step = run / "step-2"
     state = json.loads((step / "scheduler.json").read_text())
@@ -235,11 +236,12 @@ def test_truncated_weights_without_manifest(world, target, tmp_path, capsys):
         load_drafter(str(run / "best"), target)
 
 
-def test_renamed_tensor_without_manifest(world, target, tmp_path):
+def test_renamed_tensor_without_manifest(world, target, tmp_path, monkeypatch):
     from safetensors.torch import load_file, save_file
 
     from spectrain import load_drafter
 
+    monkeypatch.setenv("SPECTRAIN_ALLOW_UNSEALED", "1")
     run = copy_run(world, tmp_path)
     w = _strip(run / "best") / "model.safetensors"
     sd = load_file(str(w))
@@ -249,7 +251,8 @@ def test_renamed_tensor_without_manifest(world, target, tmp_path):
         load_drafter(str(run / "best"), target)
 
 
-def test_damaged_trainer_state_is_named(world, tmp_path, capsys):
+def test_damaged_trainer_state_is_named(world, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPECTRAIN_ALLOW_UNSEALED", "1")
     run = copy_run(world, tmp_path)
     _strip(run / "step-2")
     (run / "step-2" / "trainer_state.json").write_text("{not json")
@@ -285,11 +288,25 @@ def test_corrupt_tokenized_data_cache_is_named_discarded_and_rebuilt(world, tmp_
     ({"temperature": float("nan")}, r"temperature must be a finite number"),
     ({"temperature": float("inf")}, r"temperature must be a finite number"),
     ({"temperature": -1.0}, r"temperature must be >= 0"),
+    ({"temperature": 1e-40}, r"temperature=1e-40 is outside the supported range: use 0 \(greedy\) or a value in \[0\.0001, 10000\]"),
+    ({"temperature": 1e300}, r"temperature=1e\+300 is outside the supported range"),
     ({"top_p": float("nan")}, r"top_p must be a finite number"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ({"top_k": -3}, r"top_k must be an integer >= 0"),
     ({"k": 0}, r"k \(draft length / tree depth\) must be a positive integer"),
     ({"max_new_tokens": 0}, r"max_new_tokens must be a positive integer"),
+    ({"max_new_tokens": True}, r"max_new_tokens must be a positive integer, got True"),
+    ({"max_new_tokens": 2.0}, r"max_new_tokens must be a positive integer, got 2\.0"),
+    ({"k": True}, r"k \(draft length / tree depth\) must be a positive integer, got True"),
+    ({"top_k": False}, r"top_k must be an integer >= 0"),
+    ({"temperature": True}, r"temperature must be a finite number, got True"),
+    ({"seed": 1.5}, r"seed must be an integer"),
+    ({"batch_size": 0}, r"batch_size must be a positive integer"),
+    ({"batch_size": True}, r"batch_size must be a positive integer, got True"),
+    ({"attention_mask": [1, 1]}, r"attention_mask does not match input_ids: prompt lengths \[4\], mask lengths \[2\]"),
+    ({"attention_mask": [1, 1, 2, 1]}, r"attention_mask must hold only 0 .* and 1"),
+    ({"input_ids": [[1, 2], [3]], "attention_mask": [[1, 1], [1, 1]]}, r"attention_mask does not match input_ids"),
+    ({"attention_mask": 5}, r"attention_mask must be a tensor or a list"),
 ])
 def test_speculative_generate_refuses_bad_arguments(target, kw, pattern):
     from spectrain import speculative_generate
@@ -346,6 +363,15 @@ def _recipe_cases(world: Path, tmp: Path) -> list[tuple[list, str]]:
         (["check", r, "drafter.eagle3.draft_vocab_size=100000"], r"draft_vocab_size=100000 exceeds the target vocab"),
         (["check", r, "training.lrr=1"], r"unknown key 'lrr' in section 'training': did you mean 'lr'"),
         (["check", r, "training.lr=abc"], r"training.lr: expected a number"),
+        (["check", r, "training.lr=inf"], r"training.lr: 'inf' is not a finite number"),
+        (["check", r, "training.lr=.nan"], r"training.lr: nan is not a finite number"),
+        (["train", r, f"output_dir={tmp / 'r'}", "training.lr=1e999"], r"training.lr: '1e999' is not a finite number"),
+        (["check", r, "training.lr=0"], r"training.lr=0.0 must be in \(0, 1\]"),
+        (["check", r, "training.lr=-1e-3"], r"training.lr=-0.001 must be in \(0, 1\]"),
+        (["check", r, "training.lr=5"], r"training.lr=5.0 must be in \(0, 1\]"),
+        (["check", r, "training.grad_clip=inf"], r"training.grad_clip: 'inf' is not a finite number"),
+        (["check", r, "data.heldout_fraction=nan"], r"data.heldout_fraction: 'nan' is not a finite number"),
+        (["check", r, "drafter.eagle3.ttt_decay=-inf"], r"ttt_decay: '-inf' is not a finite number"),
         (["check", r, "training.features=offline", f"training.feature_cache={tmp / 'nofeat'}"],
          r"holds no feature cache \(manifest\.json\)"),
         (["check", r, f"target.name_or_path={tmp / 'adir'}"], r"cannot load target config/tokenizer"),
@@ -378,12 +404,16 @@ def _eval(world: Path, out: Path, *extra) -> list:
 
 def test_eval_cases(world, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "stale.png").write_text("a user's plot")
     old = tmp_path / "old"
-    old.mkdir()
+    assert cli_main([str(a) for a in _eval(world, old)]) == 0  # an earlier report: --force may replace it
     (old / "stale.png").write_text("old plot")
     cases = [
         (_eval(world, tmp_path / "file"), r"--out .*file is an existing file"),
         (_eval(world, old), r"--out .*old already exists and is not empty: .*--force"),
+        (_eval(world, mine, "--force"), r"--out .*mine is a non-empty directory that spectrain did not write"),
         (_eval(world, world / "run" / "best" / "ev"), r"is inside .*best, a checkpoint directory"),
         (_eval(world, tmp_path / "o", "--tree", "topkk=4,depth=2"), r"--tree 'topkk=4,depth=2'"),
         (_eval(world, tmp_path / "o", "--temperature", "nan"), r"--temperature"),
@@ -402,8 +432,10 @@ def test_eval_cases(world, tmp_path, capsys):
         refused(capsys, argv, pattern)
     assert not (tmp_path / "o").exists()
     assert cli_main([str(a) for a in _eval(world, old, "--force")]) == 0
-    assert sorted(p.name for p in old.iterdir() if p.suffix != ".png") == ["report.json", "report.md"]
+    assert sorted(p.name for p in old.iterdir() if p.suffix != ".png") == [".spectrain-output", "report.json",
+                                                                           "report.md"]
     assert not (old / "stale.png").exists()  # replaced whole, never mixed
+    assert (mine / "stale.png").read_text() == "a user's plot"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
@@ -417,9 +449,10 @@ def test_export_cases(world, tmp_path, capsys):
     cases = [
         (ex + [run / "best" / "exp"], r"is inside .*best, a checkpoint directory"),
         (ex + [run / "step-2" / "accelerate" / "x"], r"is inside .*step-2, a checkpoint directory"),
-        (ex + [run / "best", "--force"], r"is a checkpoint of the run"),
+        (ex + [run / "best", "--force"], r"is \(or contains\) the source .*best"),
+        (ex + [run / "step-1", "--force"], r"is a checkpoint of the run"),
         (ex + [tmp_path / "afile"], r"afile is an existing file"),
-        (ex + [world / "exp"], r"already exists: choose a new directory or pass --force"),
+        (ex + [world / "exp"], r"already exists and is not empty: .*pass --force to replace this export"),
         (["export", run, "--format", "vllm-medusa", "--out", tmp_path / "m"], r"holds a 'eagle3' drafter.*vllm-eagle3"),
         (["export", tmp_path / "nope", "--format", "vllm-eagle3", "--out", tmp_path / "m"], r"is not a directory"),
         (["export", run, "--format", "vllm-eagle3"], r"--out DIR is required"),
@@ -436,7 +469,7 @@ def test_export_cases(world, tmp_path, capsys):
 
 def test_export_force_onto_a_symlink_and_readable_modes(world, tmp_path):
     real = tmp_path / "real"
-    real.mkdir()
+    shutil.copytree(world / "exp", real)  # an earlier export: --force may replace it
     (real / "stale.bin").write_text("old")
     (tmp_path / "link").symlink_to(real)
     old = os.umask(0o022)
@@ -450,15 +483,21 @@ def test_export_force_onto_a_symlink_and_readable_modes(world, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no .old / temp leftovers
     assert real.stat().st_mode & 0o777 == 0o755
     assert {p.stat().st_mode & 0o777 for p in real.iterdir()} == {0o644}
+    assert (real / ".spectrain-output").is_file()
 
 
 # ---- 8. runs: extend, refuse shrink / other changes, leftovers of a killed save ------------------------------
 
 
 def test_extend_a_finished_run_and_clean_leftovers(world, tmp_path, capsys):
+    from spectrain.outputs import record_temp
+
     run = copy_run(world, tmp_path)
-    (run / ".tmp-step-7" / "accelerate").mkdir(parents=True)  # what kill -9 during a save leaves
+    for name in (".tmp-step-7", ".tmp-best"):  # what kill -9 during a save leaves: recorded, then created
+        record_temp(run, name)
+    (run / ".tmp-step-7" / "accelerate").mkdir(parents=True)
     (run / ".tmp-best").mkdir()
+    (run / ".tmp-mine").write_text("a user's file with a temp-like name: spectrain never recorded it")
     refused(capsys, train_argv(world, run, "training.resume_from=auto", "training.max_steps=1"),
             r"stops at step 1 but the checkpoint is at step 2: a resume can only keep or grow")
     refused(capsys, train_argv(world, run, "training.resume_from=auto", "training.lr=0.01"),
@@ -469,7 +508,8 @@ def test_extend_a_finished_run_and_clean_leftovers(world, tmp_path, capsys):
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(x)]
     assert steps == [1, 2, 3, 4]
-    assert not [p for p in run.iterdir() if p.name.startswith(".")]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [".spectrain-output", ".spectrain-temps",
+                                                                             ".tmp-mine"]
     assert json.loads((run / "last" / "trainer_state.json").read_text())["total_steps"] == 4
     # epochs may grow too (max_steps=0 = run the epochs): 17 train rows / 4 = 4 steps per epoch
     assert cli_main(train_argv(world, run, "training.resume_from=auto", "training.max_steps=0",
@@ -553,3 +593,421 @@ def test_corrupt_or_truncated_feature_shard_refused(tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(ValueError, match=rf"{shard.name} is truncated or modified"):
         FeatureCache(tmp_path, target, split="train").get([0])
+
+
+# ---- 11. output placement cannot destroy (issue 18): a sandbox of a user's files, links and foreign dirs -------
+
+
+def snapshot(*roots: Path) -> dict:
+    """Every entry under ``roots`` (links not followed): type, mode, link target or content hash."""
+    import hashlib
+
+    out = {}
+    for root in roots:
+        for p in sorted([root, *root.rglob("*")]):
+            st = p.lstat()
+            if p.is_symlink():
+                out[str(p)] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[str(p)] = ("dir", st.st_mode)
+            else:
+                out[str(p)] = ("file", st.st_mode, hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+@pytest.fixture
+def sandbox(world, tmp_path, monkeypatch) -> Path:
+    """home/ (HOME points here) with a user's project dir, a private file, links into it, a foreign eval report
+    and another run; every writing command is pointed at them."""
+    home = tmp_path / "home"
+    user = home / "project"
+    for d in ("init", "best", ".tmp-mine", ".old-best"):
+        (user / d).mkdir(parents=True)
+        (user / d / "keep.txt").write_text(f"the user's {d}")
+    for name, text in (("recipe.yaml", "my notes"), ("metrics.jsonl", "my data\n"), ("last", "a file named last")):
+        (user / name).write_text(text)
+    private = home / "private.txt"
+    private.write_text("secret")
+    private.chmod(0o600)
+    (home / "link-to-project").symlink_to(user)
+    report = home / "reports" / "ev"
+    report.mkdir(parents=True)
+    for f in ("report.json", "report.md"):
+        (report / f).write_text("{}")
+    (report / ".spectrain-output").write_text('{"kind": "eval"}')
+    shutil.copytree(world / "run", home / "runs" / "other", symlinks=True)
+    monkeypatch.setenv("HOME", str(home))
+    for var in ("MPLCONFIGDIR", "XDG_CACHE_HOME"):  # libraries' own caches (matplotlib's plots) stay out of it
+        monkeypatch.setenv(var, str(tmp_path / "cache"))
+    return home
+
+
+def _placement_cases(world: Path, home: Path) -> list[tuple[list, str]]:
+    user, runs, other, ev = home / "project", home / "runs", home / "runs" / "other", home / "reports" / "ev"
+    tgt = world / "target"
+    train = ["train", world / "recipe.yaml"]
+    ex = ["export", other, "--format", "vllm-eagle3", "--force", "--out"]
+    return [
+        (train + ["output_dir=/"], r"output_dir / is the filesystem root"),
+        (train + [f"output_dir={home}"], r"is your home directory"),
+        (train + [f"output_dir={home.parent}"], r"is an ancestor of your home directory"),
+        (train + [f"output_dir={user}"], r"project is a non-empty directory that spectrain did not write"),
+        (train + [f"output_dir={home / 'link-to-project'}"], r"spectrain did not write"),
+        (train + [f"output_dir={tgt}"], r"is \(or contains\) the target .* this command reads"),
+        (train + [f"output_dir={world}"], r"is \(or contains\) the target"),
+        (train + [f"output_dir={tgt / 'run'}"], r"is inside the target model directory"),
+        (train + [f"output_dir={ev}"], r"is a spectrain eval report directory, not a training run"),
+        (train + [f"output_dir={other / 'best'}"], r"is a checkpoint of the run"),
+        (["check", world / "recipe.yaml", "output_dir=/"], r"FAILED: output_dir / is the filesystem root"),
+        (["check", world / "recipe.yaml", f"output_dir={user}"], r"FAILED: .*spectrain did not write"),
+        (["prepare-features", world / "recipe.yaml", f"training.feature_cache={user}"], r"spectrain did not write"),
+        (["prepare-features", world / "recipe.yaml", f"training.feature_cache={other}"],
+         r"is a spectrain training run directory, not a feature cache"),
+        (_eval(world, other, "--force"), r"is a spectrain training run directory, not an eval report"),
+        (_eval(world, runs, "--force"), r"runs is a non-empty directory that spectrain did not write"),
+        (_eval(world, world, "--force"), r"is \(or contains\) the target"),
+        (_eval(world, tgt, "--force"), r"is \(or contains\) the target"),
+        (_eval(world, user, "--force"), r"spectrain did not write"),
+        (_eval(world, home, "--force"), r"is your home directory"),
+        (ex + [world / "run"], r"run is a spectrain training run directory, not an export"),
+        (ex + [ev], r"is a spectrain eval report directory, not an export"),
+        (ex + [user], r"spectrain did not write"),
+        (ex + [runs], r"is \(or contains\) the source"),
+        (ex + ["/"], r"is the filesystem root"),
+        (["regenerate", world / "recipe.yaml", "--out", tgt / "regen.jsonl"], r"inside the target model directory"),
+        (["regenerate", world / "recipe.yaml", "--out", home / "link.jsonl"], r"link\.jsonl is a symbolic link"),
+        (["regenerate", world / "recipe.yaml", "--out", home / "r.jsonl"], r"r\.jsonl\.tmp is a symbolic link"),
+        (["regenerate", world / "recipe.yaml", "--out", home / "private.txt"], r"use a \.jsonl name"),
+    ]
+
+
+def test_every_writing_command_refuses_a_destructive_place_and_changes_nothing(world, sandbox, capsys):
+    (sandbox / "link.jsonl").symlink_to(sandbox / "not-yet.jsonl")  # dangling: writing it would create that file
+    (sandbox / "r.jsonl.tmp").symlink_to(sandbox / "private.txt")  # a resumed part would be appended to
+    before = snapshot(sandbox, world)
+    for argv, pattern in _placement_cases(world, sandbox):
+        refused(capsys, argv, pattern)
+        assert snapshot(sandbox, world) == before, argv  # not one byte outside the intended output changed
+
+
+def test_force_replaces_only_its_own_kind_and_demo_style_reruns_work(world, sandbox, tmp_path, capsys):
+    """What the demo does twice (train into a run dir, eval --force into runs/X/eval) still works."""
+    run = copy_run(world, tmp_path)
+    ev = run / "eval"
+    before = snapshot(sandbox)
+    for _ in range(2):
+        assert cli_main(train_argv(world, run, "training.resume_from=auto")) == 0
+        assert cli_main([str(a) for a in _eval(world, ev, "--force")]) == 0
+    exp = tmp_path / "exp"
+    for _ in range(2):
+        assert cli_main(["export", str(run), "--format", "vllm-eagle3", "--out", str(exp), "--force"]) == 0
+    assert json.loads((exp / ".spectrain-output").read_text())["kind"] == "export"
+    assert json.loads((ev / ".spectrain-output").read_text())["kind"] == "eval"
+    assert snapshot(sandbox) == before
+    capsys.readouterr()
+
+
+def test_run_dir_lock_refuses_a_second_writer_and_takes_over_a_stale_lock(world, tmp_path, capsys):
+    import platform
+    import subprocess
+    import sys
+
+    from spectrain.outputs import LOCK, run_lock
+
+    run = copy_run(world, tmp_path)
+    with run_lock(run):  # another writer holds the run dir (here: this process)
+        refused(capsys, train_argv(world, run, "training.resume_from=auto"),
+                rf"is being written by process {os.getpid()} on host {re.escape(platform.node())}.*delete .*{LOCK}")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run / LOCK).write_text(json.dumps({"pid": live.pid, "host": platform.node()}))
+        refused(capsys, train_argv(world, run, "training.resume_from=auto"), rf"process {live.pid} on host")
+    finally:
+        live.kill()
+        live.wait()
+    with pytest.warns(UserWarning, match=rf"taking over the stale lock of process {live.pid}"):
+        assert cli_main(train_argv(world, run, "training.resume_from=auto")) == 0
+    assert not (run / LOCK).exists()  # released when the run ends
+
+
+def test_symlinks_in_a_run_dir_are_replaced_never_written_through(world, tmp_path, capsys):
+    run = copy_run(world, tmp_path)
+    private = tmp_path / "private.txt"
+    private.write_text("secret")
+    for name in ("recipe.yaml", "metrics.jsonl"):
+        (run / name).unlink()
+        (run / name).symlink_to(private)
+    assert cli_main(train_argv(world, run, "training.resume_from=auto", "training.max_steps=3")) == 0
+    assert private.read_text() == "secret"
+    assert not (run / "recipe.yaml").is_symlink() and "max_steps: 3" in (run / "recipe.yaml").read_text()
+    assert not (run / "metrics.jsonl").is_symlink()
+    from spectrain.outputs import append_text_safe
+
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(private)
+    with pytest.raises(FileExistsError, match=r"metrics\.jsonl is a symbolic link .*never writes through a link"):
+        append_text_safe(run / "metrics.jsonl", "x\n")
+    assert private.read_text() == "secret"
+
+
+# ---- 12. no link followed out, manifests confined to their directory (issue 18) -------------------------------
+
+
+def test_a_link_out_of_a_checkpoint_is_refused_by_export_eval_and_load(world, target, tmp_path, capsys):
+    from spectrain import load_drafter
+    from spectrain.integrity import seal
+
+    run = copy_run(world, tmp_path)
+    private = tmp_path / "private.txt"
+    private.write_text("secret")
+    private.chmod(0o600)
+    (run / "best" / "tokenizer.json").symlink_to(private)
+    with pytest.raises(ValueError, match=r"cannot seal .*tokenizer\.json is a symbolic link"):
+        seal(run / "best")  # spectrain never seals a link out
+    before = snapshot(tmp_path)
+    refused(capsys, ["export", run / "best", "--format", "vllm-eagle3", "--out", tmp_path / "x"],
+            r"tokenizer\.json is a symbolic link to .*private\.txt, outside .*best")
+    refused(capsys, ["eval", "--target", world / "target", "--drafter", run / "best", "--prompts", "mt_bench",
+                     "--n", "1", "--max-new-tokens", "2", "--out", tmp_path / "ev"], r"tokenizer\.json is a symbolic link")
+    with pytest.raises(ValueError, match="symbolic link"):
+        load_drafter(str(run / "best"), target)
+    assert snapshot(tmp_path) == before
+
+
+def test_hf_draft_copy_follows_a_link_only_inside_the_source(tmp_path):
+    from spectrain.export.hf_draft import _copy_inside
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "real.json").write_text("inside")
+    (src / "tokenizer.json").symlink_to(src / "real.json")
+    (tmp_path / "private.txt").write_text("secret")
+    (src / "vocab.json").symlink_to(tmp_path / "private.txt")
+    _copy_inside(src / "tokenizer.json", src, tmp_path / "a.json")
+    assert (tmp_path / "a.json").read_text() == "inside" and not (tmp_path / "a.json").is_symlink()
+    with pytest.raises(ValueError, match=r"vocab\.json is a symbolic link to .*private\.txt, outside"):
+        _copy_inside(src / "vocab.json", src, tmp_path / "b.json")
+    assert not (tmp_path / "b.json").exists()
+
+
+@pytest.mark.parametrize("entry", ["../../etc/hostname", "/etc/hostname", "a/../../x", "./model.safetensors"])
+def test_manifest_paths_outside_the_directory_are_refused(world, target, tmp_path, capsys, entry):
+    from spectrain import load_drafter
+
+    run = copy_run(world, tmp_path)
+    with open(run / "best" / "SHA256SUMS", "a") as f:
+        f.write(f"{'0' * 64}  {entry}\n")
+    refused(capsys, ["export", run / "best", "--format", "vllm-eagle3", "--out", tmp_path / "x"],
+            rf"SHA256SUMS line \d+ names '{re.escape(entry)}', a path outside its directory")
+    with pytest.raises(ValueError, match="a path outside its directory"):
+        load_drafter(str(run / "best"), target)
+    assert "hostname is corrupt" not in capsys.readouterr().err
+
+
+# ---- 13. non-finite is an error (issue 18) ---------------------------------------------------------------------
+
+
+def test_a_step_that_makes_weights_non_finite_stops_the_run_and_seals_nothing(world, tmp_path, capsys, monkeypatch):
+    run = copy_run(world, tmp_path)
+    before = snapshot(run)
+    real = torch.optim.AdamW.step
+
+    def poisoned(self, *a, **k):  # what an overflowing update does: the step itself writes NaN into a weight
+        out = real(self, *a, **k)
+        self.param_groups[0]["params"][0].data.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+    refused(capsys, train_argv(world, run, "training.resume_from=auto", "training.max_steps=4"),
+            r"step 3: the update made the drafter's weights non-finite \(.*weight; training\.lr=0\.001\): the run "
+            r"stops and nothing of this step is saved; lower training\.lr")
+    after = snapshot(run)
+    changed = {p for p in set(before) | set(after) if before.get(p) != after.get(p)}
+    assert all(Path(p).name in ("metrics.jsonl", "run_info.json", "recipe.yaml", ".spectrain-temps") for p in changed), \
+        changed  # no new checkpoint, best/ untouched
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    from spectrain.checkpoint import save_drafter_dir
+
+    head = torch.nn.Linear(2, 2)
+    head.weight.data[0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"refusing to save .*drafter weight weight holds NaN or Inf"):
+        save_drafter_dir(head, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("damage, pattern", [
+    (lambda sd: sd["fc.weight"].fill_(float("nan")), r"tensor fc\.weight holds NaN or Inf values"),
+    (lambda sd: sd.update({"fc.weight": sd["fc.weight"].to(torch.int32)}),
+     r"tensor fc\.weight has dtype torch\.int32, expected a float dtype"),
+    (lambda sd: sd.update({"d2t": sd["d2t"].to(torch.int32)}), r"tensor d2t has dtype torch\.int32, expected torch\.int64"),
+    (lambda sd: sd.update({"fc.weight": sd["fc.weight"][:, :-1].contiguous()}),
+     r"tensor fc\.weight has shape \[\d+, \d+\], its config implies"),
+])
+def test_a_resealed_head_with_bad_weights_is_refused_at_load(world, target, tmp_path, capsys, damage, pattern):
+    from safetensors.torch import load_file, save_file
+
+    from spectrain import load_drafter
+    from spectrain.integrity import seal
+
+    run = copy_run(world, tmp_path)
+    w = run / "best" / "model.safetensors"
+    sd = load_file(str(w))
+    damage(sd)
+    save_file(sd, str(w))
+    seal(run / "best")  # the manifest agrees: only the weight check can catch it
+    with pytest.raises(ValueError, match=pattern):
+        load_drafter(str(run / "best"), target)
+    refused(capsys, ["eval", "--target", world / "target", "--drafter", run / "best", "--prompts", "mt_bench",
+                     "--n", "1", "--max-new-tokens", "2", "--out", tmp_path / "ev"], pattern)
+    assert not (tmp_path / "ev").exists()
+
+
+def test_decoding_refuses_non_finite_logits():
+    from spectrain.sampling import Sampler
+
+    logits = torch.tensor([0.0, 1.0, float("nan")])
+    for s in (Sampler(), Sampler(temperature=1.0)):
+        with pytest.raises(ValueError, match=r"NaN or \+Inf logits"):
+            s.probs(logits)
+    assert Sampler(temperature=1.0).probs(torch.tensor([0.0, float("-inf")])).tolist() == [1.0, 0.0]  # masked: fine
+
+
+# ---- 14. API arguments checked at the door (issue 18) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["1d-tensor", "2d-tensor", "list", "list-of-lists"])
+def test_attention_mask_is_honoured_for_every_prompt_form(target, form):
+    """Padding masked out is never decoded: each form with a pad-carrying mask equals the unpadded prompt."""
+    from spectrain.decoding import plain_generate
+
+    prompt, pad = [5, 6, 7, 8], [0, 0]
+    ids, mask = pad + prompt, [0] * len(pad) + [1] * len(prompt)
+    want = plain_generate(target, prompt, max_new_tokens=4).tokens
+    arg = {"1d-tensor": (torch.tensor(ids), torch.tensor(mask)), "2d-tensor": (torch.tensor([ids]), torch.tensor([mask])),
+           "list": (ids, mask), "list-of-lists": ([ids], [mask])}[form]
+    out = plain_generate(target, arg[0], max_new_tokens=4, attention_mask=arg[1])
+    got = out[0].tokens if isinstance(out, list) else out.tokens
+    assert got == want
+
+
+def test_a_wrong_drafter_argument_is_named(world, target):
+    from spectrain import load_drafter, load_target, speculative_generate
+
+    run = world / "run"
+    cases = [
+        (str(run / "best"), r"is a path, not a drafter: load it first with spectrain\.load_drafter"),
+        (run / "best", r"is a path, not a drafter"),
+        (target, r"the target was passed as the drafter"),
+        (42, r"drafter must be a spectrain Drafter .* got int"),
+    ]
+    for drafter, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            speculative_generate(target, drafter, [1, 5, 6, 7], max_new_tokens=2, k=2)
+    with pytest.raises(ValueError, match=r"the drafter spec is empty"):
+        load_drafter("", target)
+    with pytest.raises(ValueError, match=r"spec must be .* got FrozenTarget \(the target\?"):
+        load_drafter(target, target)
+    with pytest.raises(ValueError, match=r"target must be a loaded target"):
+        load_drafter(str(run / "best"), str(world / "target"))
+    with pytest.raises(ValueError, match=r"name_or_path must be a non-empty hub id"):
+        load_target("")
+
+
+def test_a_drafter_loaded_for_another_target_is_named(world, target):
+    from conftest import make_tiny_target
+
+    from spectrain import load_drafter, speculative_generate
+
+    head = load_drafter(str(world / "run" / "best"), target)
+    other = make_tiny_target("llama")
+    if other.hidden_size == target.hidden_size and other.vocab_size == target.vocab_size:
+        pytest.skip("the conftest target has the same sizes")
+    with pytest.raises(ValueError, match=r"the drafter was loaded for another target .*: load it for this one"):
+        speculative_generate(other, head, [1, 5, 6, 7], max_new_tokens=2, k=2)
+
+
+# ---- 15. integrity cannot be switched off by deleting a file (issue 18) -----------------------------------------
+
+
+def test_a_checkpoint_or_head_without_manifest_is_refused_until_sealed(world, target, tmp_path, capsys, monkeypatch):
+    from spectrain import load_drafter
+
+    run = copy_run(world, tmp_path)
+    for d in ("best", "step-2"):
+        (run / d / "SHA256SUMS").unlink()
+    before = snapshot(run)
+    fix = r"has no SHA256SUMS, so its files cannot be checked .*`spectrain seal .*`, or set SPECTRAIN_ALLOW_UNSEALED=1"
+    refused(capsys, ["export", run / "best", "--format", "vllm-eagle3", "--out", tmp_path / "x"], fix)
+    refused(capsys, ["eval", "--target", world / "target", "--drafter", run / "best", "--prompts", "mt_bench",
+                     "--n", "1", "--max-new-tokens", "2", "--out", tmp_path / "ev"], fix)
+    refused(capsys, train_argv(world, run, "training.resume_from=auto", "training.max_steps=3"), rf"step-2 {fix}")
+    with pytest.raises(ValueError, match=fix):
+        load_drafter(str(run / "best"), target)
+    assert snapshot(run) == before and not (tmp_path / "x").exists()
+    monkeypatch.setenv("SPECTRAIN_ALLOW_UNSEALED", "1")  # the explicit flag
+    load_drafter(str(run / "best"), target)
+    monkeypatch.delenv("SPECTRAIN_ALLOW_UNSEALED")
+    assert cli_main(["seal", str(run / "best")]) == 0  # a directory the user trusts
+    assert "sealed" in capsys.readouterr().out
+    load_drafter(str(run / "best"), target)
+    flip(run / "best" / "model.safetensors")
+    refused(capsys, ["seal", run / "best"], r"cannot seal .*model\.safetensors is corrupt.*restore the file")
+
+
+def test_heads_saved_through_save_pretrained_carry_a_manifest(world, target, tmp_path):
+    from spectrain import load_drafter
+    from spectrain.integrity import problems, read_manifest
+
+    head = load_drafter(str(world / "run" / "best"), target).model
+    head.save_pretrained(tmp_path / "h")
+    assert set(read_manifest(tmp_path / "h")) >= {"model.safetensors", "drafter_config.json"}
+    assert problems(tmp_path / "h") == []
+    load_drafter(str(tmp_path / "h"), target)
+
+
+def _changed_target(world: Path, dst: Path, copy: bool = True) -> Path:
+    """A copy of the target whose one decoder-layer weight differs (embeddings, lm_head and norm unchanged)."""
+    from safetensors.torch import load_file, save_file
+
+    if copy:
+        shutil.copytree(world / "target", dst)
+    (w,) = dst.glob("*.safetensors")
+    sd = load_file(str(w))
+    key = next(k for k in sd if ".layers.3." in k and k.endswith("mlp.down_proj.weight"))
+    sd[key] = sd[key] * 1.5
+    save_file(sd, str(w), metadata={"format": "pt"})
+    return dst
+
+
+def test_target_fingerprint_covers_every_layer_and_resume_refuses_another_target(world, target, tmp_path, capsys):
+    from spectrain import load_target
+    from spectrain.features import FINGERPRINT_PREFIX, legacy_fingerprint, same_target, target_fingerprint
+
+    other = load_target(str(_changed_target(world, tmp_path / "t2")), device="cpu")
+    fp = target_fingerprint(target)
+    assert fp.startswith(FINGERPRINT_PREFIX) and target_fingerprint(other) != fp
+    assert legacy_fingerprint(other) == legacy_fingerprint(target)  # what v1 missed
+    assert same_target(legacy_fingerprint(target), target) and same_target(None, target) is None  # old values still work
+    t = tmp_path / "t"
+    shutil.copytree(world / "target", t)
+    argv = train_argv(world, tmp_path / "r", f"target.name_or_path={t}", "training.max_steps=1")
+    assert cli_main(argv) == 0
+    _changed_target(world, t, copy=False)  # the same path, a decoder layer rebuilt
+    refused(capsys, [*argv, "training.resume_from=auto", "training.max_steps=2"],
+            r"cannot resume from .*step-1: it was trained on another target .*start a fresh run")
+
+
+def test_offline_feature_cache_refuses_a_target_with_other_layers(world, target, tmp_path):
+    from test_train import make_rows
+
+    from spectrain import load_target
+    from spectrain.features import FeatureCache, write_feature_cache
+
+    write_feature_cache(target, {"train": make_rows(4)}, tmp_path / "fc", [1, 3, 5], "fp32", max_length=64,
+                        verbose=False)
+    FeatureCache(tmp_path / "fc", target, split="train")
+    other = load_target(str(_changed_target(world, tmp_path / "t2")), device="cpu")
+    with pytest.raises(ValueError, match=r"feature cache .* was written for target"):
+        FeatureCache(tmp_path / "fc", other, split="train")

@@ -103,6 +103,8 @@ def test_vocab_mismatch_is_refused():
 
 
 def test_load_drafter_dispatch(tmp_path, monkeypatch):
+    from spectrain.integrity import seal
+
     target = make_tiny_target("llama")
     target.tokenizer = make_tokenizer()
     assert isinstance(load_drafter("ngram", target), NgramDrafter)
@@ -121,8 +123,10 @@ def test_load_drafter_dispatch(tmp_path, monkeypatch):
     run = tmp_path / "run"
     run.mkdir()
     (run / "drafter_config.json").write_text(json.dumps({"kind": "fake"}))
+    seal(run)  # load_drafter refuses an unsealed spectrain drafter directory
     assert isinstance(load_drafter(str(run), target), Fake) and seen["args"] == (run, target)
     (run / "drafter_config.json").write_text(json.dumps({"kind": "nope"}))
+    seal(run)
     with pytest.raises(ValueError, match="kind='nope'.*eagle3"):
         load_drafter(str(run), target)
     hf = tmp_path / "draft"

@@ -169,6 +169,9 @@ def test_unsorted_checkpoint_sorted_with_fc_blocks(target, tmp_path):
     save_file(state, str(tmp_path / "bad" / "model.safetensors"))
     cfg = json.loads((tmp_path / "ok" / "drafter_config.json").read_text())
     (tmp_path / "bad" / "drafter_config.json").write_text(json.dumps({**cfg, "aux_layers": [5, 2, 4]}))
+    from spectrain.integrity import seal
+
+    seal(tmp_path / "bad")  # export refuses an unsealed checkpoint
     with pytest.warns(UserWarning, match=r"not ascending; fc's input blocks were reordered to \[2, 4, 5\]"):
         back = Eagle3Drafter.from_pretrained(tmp_path / "bad", target)
     assert back.aux_layers == [2, 4, 5] and torch.equal(back.fc.weight, head.fc.weight)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from spectrain import export as E
 from spectrain.decoding import speculative_generate
 from spectrain.drafters.eagle3 import Eagle3Drafter, Eagle3Proposer
 from spectrain.export import medusa as medusa_export
+from spectrain.integrity import seal
 
 torch.set_num_threads(1)
 EAGLE3 = ("vllm-eagle3", "sglang-eagle3")
@@ -254,6 +256,7 @@ def make_draft_ckpt(path: Path, tokenizer: bool = True):
                                                           "target_vocab_size": 128}))
     (path / "best.json").write_text("{}")  # run bookkeeping that must not travel
     (path / "accelerate").mkdir()
+    seal(path)  # what spectrain's checkpointing writes; export refuses an unsealed checkpoint
     return model
 
 
@@ -297,7 +300,7 @@ def test_wrong_kind_and_bad_sources_refused(eagle3_ckpt, medusa_ckpt, tmp_path):
         E.export(tmp_path, "medusa", tmp_path / "o")
     with pytest.raises(ValueError, match="unknown export format"):
         E.export(medusa_ckpt[1], "onnx", tmp_path / "o")
-    with pytest.raises(ValueError, match="destroy the source"):
+    with pytest.raises(ValueError, match=r"is \(or contains\) the source .*would destroy it"):
         E.export(medusa_ckpt[1], "medusa", medusa_ckpt[1].parent, force=True)
     assert not (tmp_path / "o").exists()
 
@@ -305,7 +308,13 @@ def test_wrong_kind_and_bad_sources_refused(eagle3_ckpt, medusa_ckpt, tmp_path):
 def test_existing_out_refused_unless_force_and_kept_when_new_export_is_invalid(medusa_ckpt, tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep.txt").write_text("old")
+    (out / "keep.txt").write_text("a user's file")
+    with pytest.raises(FileExistsError, match="spectrain did not write"):  # a user's directory: never replaced
+        E.export(medusa_ckpt[1], "medusa", out, force=True)
+    out = tmp_path / "out"
+    shutil.rmtree(out)
+    E.export(medusa_ckpt[1], "medusa", out)
+    (out / "keep.txt").write_text("old")  # an earlier export: replaced only with --force
     with pytest.raises(FileExistsError, match="--force"):
         E.export(medusa_ckpt[1], "medusa", out)
     monkeypatch.setattr(medusa_export, "validate_medusa", lambda d: ["planted problem"])
@@ -442,6 +451,7 @@ def test_hf_draft_config_carries_both_rope_styles(tmp_path):
               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     cfg["rope_parameters"] = llama3
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
+    seal(tmp_path / "ckpt")
     E.export(tmp_path / "ckpt", "hf-draft", tmp_path / "out")
     out = json.loads((tmp_path / "out" / "config.json").read_text())
     assert out["rope_parameters"] == llama3 and out["rope_theta"] == 500000.0  # transformers 5 / 4.x

@@ -49,7 +49,7 @@ def _write(tmp_path: Path, raw: dict) -> Path:
     ({"drafter": {"eagle3": {"aux_layers": [1, "x"]}}}, r"drafter.eagle3.aux_layers\[1\]: expected an integer"),
     ({"training": "fast"}, r"training: expected a mapping"),
     ({"training": {"global_batch_size": 10, "micro_batch_size": 4}}, r"not divisible by micro_batch_size \(4\)"),
-    ({"training": {"lr": 0.0}}, r"training.lr=0.0 must be > 0"),
+    ({"training": {"lr": 0.0}}, r"training.lr=0.0 must be in \(0, 1\]"),
     ({"data": {"heldout_fraction": 1.0}}, r"heldout_fraction=1.0 must be in \[0, 1\)"),
     ({"drafter": {"ngram": {"min_n": 4, "max_n": 3}}}, r"need 1 <= min_n \(4\) <= max_n \(3\)"),
     ({"drafter": {"draft": {"init": "layers:a"}}}, r"drafter.draft.init='layers:a'"),
@@ -106,7 +106,7 @@ def test_overrides_are_typed(tmp_path):
     ("training.lr.x=1", r"'training.lr' is a value, not a section"),
     ("drafter.eagle3.aux_layers=1,x", r"aux_layers\[1\]: expected an integer"),
     ("training.micro_batch_size=3", r"not divisible"),
-    ("training.lr=-1", r"must be > 0"),
+    ("training.lr=-1", r"must be in \(0, 1\]"),
 ])
 def test_bad_overrides(tmp_path, override, pattern):
     with pytest.raises(ValueError, match=pattern):

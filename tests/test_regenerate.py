@@ -251,6 +251,19 @@ def test_resume_with_repeated_ids_and_an_unterminated_last_line(setup, tmp_path)
     lines = full.read_text().splitlines()
     tmp = setup["root"] / "out" / "dup-part.jsonl.tmp"
     tmp.write_text(lines[0] + "\n" + lines[1])  # second row complete but without its newline: torn
+    with pytest.raises(FileExistsError, match="regenerate did not write it"):  # no .meta.json: not its own part
+        _run(setup, "dup-part", overrides=ov, batch_size=1)
+    meta = setup["root"] / "out" / "dup-part.jsonl.tmp.meta.json"
+    real_merge = rg._merge
+    rg._merge = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt)  # killed after the part was written
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tmp.unlink()
+            _run(setup, "dup-part", overrides=ov, batch_size=1)
+    finally:
+        rg._merge = real_merge
+    assert meta.is_file()
+    tmp.write_text(lines[0] + "\n" + lines[1])
     out, stats = _run(setup, "dup-part", overrides=ov, batch_size=1)
     assert stats.resumed == 1 and stats.answers == 2
     assert out.read_bytes() == full.read_bytes() and len(lines) == 3

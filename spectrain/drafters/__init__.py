@@ -50,7 +50,17 @@ def load_drafter(spec, target) -> Drafter:
     """Build a drafter from a spec string / path (see module docstring), or pass a Drafter through."""
     if isinstance(spec, Drafter):
         return spec
+    if not isinstance(spec, (str, Path)):
+        raise ValueError(f"load_drafter(spec, target): spec must be 'ngram[:...]', a directory path or an HF id, got "
+                         f"{type(spec).__name__}" + (" (the target? pass it as the second argument)"
+                                                      if hasattr(spec, "tokenizer") else ""))
+    if not hasattr(target, "vocab_size") or not hasattr(target, "forward"):
+        raise ValueError(f"load_drafter(spec, target): target must be a loaded target (spectrain.load_target), got "
+                         f"{type(target).__name__}")
     spec = str(spec)
+    if not spec.strip():
+        raise ValueError("load_drafter: the drafter spec is empty (it would load whatever is in the current "
+                         "directory): give 'ngram', a trained drafter directory (e.g. runs/NAME/best) or an HF id")
     if spec.split(":", 1)[0].strip() == "ngram":
         from spectrain.drafters.ngram import NgramDrafter
 
@@ -65,7 +75,7 @@ def load_drafter(spec, target) -> Drafter:
         from spectrain.integrity import verify
 
         verify(path, "drafter", fix="use another checkpoint (e.g. the run's last/ or a step-N/) or re-export it",
-               warn_missing=(path / "drafter_config.json").is_file())  # a plain HF model dir has none: no warning
+               warn_missing=False, required=(path / "drafter_config.json").is_file())  # an HF model dir has none
     cfg_file = path / "drafter_config.json"
     if cfg_file.is_file():
         try:

@@ -85,6 +85,11 @@ class DraftLMDrafter(Drafter):
         _warn_if_other_target(path, target)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or target.dtype,
                                                      trust_remote_code=trust_remote_code).to(target.device)
+        bad = next((n for n, t in model.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()),
+                   None)
+        if bad is not None:
+            raise ValueError(f"draft model {path}: tensor {bad} holds NaN or Inf values (a diverged or damaged "
+                             "model): use another checkpoint or retrain")
         try:
             tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError):
@@ -200,8 +205,8 @@ class DraftLMDrafter(Drafter):
 def _warn_if_other_target(path, target) -> None:
     cfg_file = Path(path) / CONFIG_NAME
     if cfg_file.is_file():  # a plain HF model (hub id or directory) records nothing
-        warn_if_other_target(json.loads(cfg_file.read_text()).get("target_fingerprint"), target,
-                             f"draft model at {path}")
+        cfg = json.loads(cfg_file.read_text())
+        warn_if_other_target(cfg.get("target_fingerprint"), target, f"draft model at {path}", cfg.get("target"))
 
 
 # ---- training: the draft model as a student of the frozen target --------------------------------
@@ -392,3 +397,6 @@ class DraftStudent(nn.Module):
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(path))
         (path / CONFIG_NAME).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+        from spectrain.integrity import seal_head
+
+        seal_head(path)  # every head spectrain writes carries SHA256SUMS (load_drafter requires it)

@@ -42,7 +42,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from spectrain.drafters.eagle3_decode import Eagle3Proposer, window_keep
-from spectrain.drafters.head_io import WEIGHTS_NAME, read_head_config, save_head
+from spectrain.drafters.head_io import WEIGHTS_NAME, check_state, read_head_config, save_head
 from spectrain.losses import drafter_loss, hard_ce, sim_tau
 from spectrain.packing import DocTTTAttention, PackedDocs
 
@@ -461,6 +461,7 @@ class Eagle3Drafter(nn.Module):
         target.validate_aux_layers(cfg["aux_layers"])
         cfg, state = sort_aux(cfg, load_file(str(Path(path) / WEIGHTS_NAME)), f"EAGLE-3 head at {path}")
         model = cls(cfg, state["d2t"], state["t2d"])
+        check_state(state, model, f"EAGLE-3 head at {path}")
         model.load_state_dict(state, strict=True)
         return model.to(target.device)
 

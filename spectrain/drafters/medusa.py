@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from spectrain.drafters.base import DraftContext, Drafter, Proposal
-from spectrain.drafters.head_io import WEIGHTS_NAME, read_head_config, save_head
+from spectrain.drafters.head_io import WEIGHTS_NAME, check_state, read_head_config, save_head
 from spectrain.losses import drafter_loss, overlap, sim_tau
 
 
@@ -156,7 +156,9 @@ class MedusaHeads(nn.Module):
     @classmethod
     def from_pretrained(cls, path, target) -> MedusaHeads:
         model = cls(read_head_config(path, "medusa", target, "Medusa heads"))
-        model.load_state_dict(load_file(str(Path(path) / WEIGHTS_NAME)), strict=True)
+        state = load_file(str(Path(path) / WEIGHTS_NAME))
+        check_state(state, model, f"Medusa heads at {path}")
+        model.load_state_dict(state, strict=True)
         return model.to(target.device)
 
 

@@ -66,7 +66,7 @@ def export(source, fmt: str, out, target: str | None = None, force: bool = False
     serve commands for a chain of ``k`` or a ``tree`` (summary["serve"], and the export's README.md)."""
     src = resolve_source(source)
     exporter = _format(fmt)[0]
-    dest = guard_export(src, out, force)
+    dest = guard_export(src, out, force, target)
     head = read_config(src, FORMAT_KIND[fmt], fmt)  # a drafter of the wrong kind fails here, naming the format
     d = resolve_decode(head, k, tree)
     commands = serve_commands(fmt, head, str(dest), target or head.get("target") or "", d, engines)

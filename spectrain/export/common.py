@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from spectrain.drafters.head_io import CONFIG_NAME, WEIGHTS_NAME
 from spectrain.integrity import seal
+from spectrain.outputs import check_placement, write_marker
 
 FORMAT_KIND = {"vllm-eagle3": "eagle3", "sglang-eagle3": "eagle3", "vllm-medusa": "medusa",
                "medusa": "medusa", "hf-draft": "draft"}
@@ -84,12 +85,9 @@ def target_info(name: str, cfg: dict) -> tuple[dict | None, list[str]]:
 
 
 def check_out(src: Path, out: Path, overwrite: bool) -> None:
-    s, o = src.resolve(), out.resolve()
-    if o == s or o in s.parents:
-        raise ValueError(f"--out {out} is (or contains) the source {src}: replacing it would destroy the source")
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"--out {out} already exists: choose a new directory or pass --force to replace "
-                              "it (it is replaced only after the new export validates)")
+    """The placement rules of spectrain/outputs.py: never the source or a directory holding it, never a
+    user's or another kind's directory; an existing export only with ``overwrite`` (--force)."""
+    check_placement(out, "export", [("source", src)], force=overwrite)
 
 
 @contextmanager
@@ -104,6 +102,7 @@ def staged(out: Path, fmt: str, validator: Callable[[Path], list[str]], readme: 
             md = tmp / "README.md"
             head = md.read_text() if md.is_file() else f"# {fmt} export by spectrain\n"
             md.write_text(head.rstrip("\n") + "\n\n" + readme.rstrip("\n") + "\n")
+        write_marker(tmp, "export")  # what lets a later --force know this directory is an export
         seal(tmp)  # SHA256SUMS of every file; files 0644 / dirs 0755 (mkdtemp made it private)
         problems = validator(tmp)
         if problems:
@@ -124,7 +123,7 @@ def staged(out: Path, fmt: str, validator: Callable[[Path], list[str]], readme: 
 
 
 def summary(fmt: str, src: Path, out: Path, target: str, warnings: list[str], extra: dict | None = None) -> dict:
-    files = {f.name: f.stat().st_size for f in sorted(out.iterdir()) if f.is_file()}
+    files = {f.name: f.stat().st_size for f in sorted(out.iterdir()) if f.is_file() and not f.name.startswith(".")}
     return {"format": fmt, "source": str(src), "out": str(out), "target": target, "files": files,
             "warnings": warnings, **(extra or {})}
 

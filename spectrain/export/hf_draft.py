@@ -9,6 +9,7 @@ with another target. Validation loads the directory with transformers itself.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -49,9 +50,20 @@ def export_hf_draft(src_dir, out_dir, target_name: str | None = None, *, overwri
         _check_same_vocab(src, Path(target))
     with staged(out, "hf-draft", validate_hf_draft, readme) as tmp:
         for f in files:
-            shutil.copy2(f, tmp / f.name)
+            _copy_inside(f, f.parent, tmp / f.name)  # f.parent: the checkpoint, or the target
         _both_rope_styles(tmp / "config.json")
     return summary("hf-draft", src, out, target, warnings, {"skipped": skipped})
+
+
+def _copy_inside(f: Path, root: Path, dst: Path) -> None:
+    """Copy ``f``'s bytes (never its mode or a link): a symlink is followed only when it stays inside ``root``,
+    so a link to a private file elsewhere is refused instead of published in the export."""
+    from spectrain.integrity import link_inside
+
+    if f.is_symlink() and not link_inside(f, root):
+        raise ValueError(f"{f} is a symbolic link to {os.readlink(f)}, outside {root}: export copies only files "
+                         "inside the checkpoint; replace the link with the file itself")
+    shutil.copyfile(f, dst, follow_symlinks=True)
 
 
 def _both_rope_styles(file: Path) -> None:
