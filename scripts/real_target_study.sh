@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 STAGES=${STAGES:-"fetch regen features train eval bench"}
 GGUF=models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
 EVAL=${EVAL:-runs/smollm2-eval}
-N=${N:-6}
+N=${N:-5}
 echo "real-target study: stages [$STAGES]; estimated total on 2 free cores ~1.5-2 h (regeneration skipped)"
 stage() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; SECONDS=0; }
 done_in() { echo "== $1 took ${SECONDS}s"; }
@@ -44,8 +44,8 @@ for fam in eagle3 medusa draft; do [ -d "runs/smollm2-$fam/best" ] && drafters+=
 if has eval; then
   stage eval
   python -m spectrain eval --recipe smollm2-135m/eagle3 "${drafters[@]}" \
-    --prompts heldout --prompts mt_bench --prompts humaneval --prompts spec_bench/math_reasoning \
-    --n "$N" --max-new-tokens 64 --k 1 --k 2 --k 3 --tree topk=2,depth=3,total=4 \
+    --prompts heldout --prompts mt_bench --prompts humaneval \
+    --n "$N" --max-new-tokens 64 --k 1 --k 2 --tree topk=2,depth=3,total=4 \
     --temperature 0 --temperature 1 --cost-curve --out "$EVAL" --force
   done_in eval
 fi

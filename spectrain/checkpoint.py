@@ -40,9 +40,9 @@ from typing import Any
 from spectrain import integrity
 from spectrain.errors import writing
 from spectrain.outputs import (
+    MARKER,
     append_text_safe,
     check_placement,
-    kind_of,
     record_temp,
     remove_leftovers,
     run_lock,
@@ -187,7 +187,7 @@ def claim_run_dir(recipe):
     @contextlib.contextmanager
     def held():
         with lock:
-            if kind_of(out) != "run":
+            if not (out / MARKER).is_file():  # placement passed: new, or an older run dir known by its files
                 write_marker(out, "run")
             yield out
 

@@ -127,9 +127,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return features_main(args.recipe, args.overrides)
     module = {"target": "spectrain.gguf_target", "regenerate": "spectrain.regenerate", "eval": "spectrain.evaluate",
-              "export": "spectrain.export", "compare": "spectrain.compare"}[cmd]
-    module = {"regenerate": "spectrain.regenerate", "eval": "spectrain.evaluate", "export": "spectrain.export",
-              "seal": "spectrain.integrity"}[cmd]
+              "export": "spectrain.export", "compare": "spectrain.compare", "seal": "spectrain.integrity"}[cmd]
     return importlib.import_module(module).main(args)
 
 

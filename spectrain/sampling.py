@@ -33,6 +33,7 @@ class Sampler:
         if bool(torch.isnan(logits).any() or torch.isposinf(logits).any()):  # -inf = a masked token, fine
             raise ValueError("the model produced NaN or +Inf logits (broken weights or an overflow in its dtype): "
                              "decoding refuses them; check the drafter/target weights or use float32")
+        if self.greedy:
             return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
         logits = logits / self.temperature
         if self.top_k and self.top_k < logits.shape[-1]:

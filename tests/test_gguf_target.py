@@ -73,7 +73,7 @@ def test_gguf_fingerprint_names_the_gguf(tiny_gguf, cache):
     assert target_fingerprint(target) != target_fingerprint(plain)
 
 
-def test_gguf_errors_name_the_fix(tiny_gguf, cache, monkeypatch, tmp_path):
+def test_gguf_errors_name_the_fix(tiny_gguf, fresh_cache, monkeypatch, tmp_path):
     with pytest.raises(FileNotFoundError, match="spectrain target fetch smollm2-135m"):
         load_target(str(tmp_path / "missing.gguf"), device="cpu")
     with pytest.raises(FileNotFoundError, match="tiny.Q8_0.gguf"):  # the dir's GGUF files are listed

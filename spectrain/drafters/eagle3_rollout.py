@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from spectrain.masks import as_attn_mask, uniform_sliding_window
+from spectrain.masks import as_attn_mask, sliding_window
 
 
 def pick_anchors(sup0: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -63,7 +63,8 @@ def verify_nodes(target, ids: torch.Tensor, am: torch.Tensor, anchors: torch.Ten
     a, j = nodes.shape[1], nodes.shape[2]
     n = a * j
     dev = ids.device
-    if uniform_sliding_window(target.config, t + 2 + j) is not None:
+    window = sliding_window(target.config)
+    if window is not None and t + 2 + j > window:
         raise ValueError("drafter.eagle3.rollout does not support a sliding-window target yet (one tree mask "
                          "serves all layers); set drafter.eagle3.rollout.fraction=0")
     valid = anchors >= 0
