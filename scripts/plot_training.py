@@ -8,6 +8,7 @@ on held-out evals and, smoothed, on the training batches.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -49,7 +50,8 @@ def main(run_dir: str) -> int:
     ax0.set(xlabel="optimizer step", ylabel="training loss (decay-weighted TTT sum)", title="training loss")
     ax0.legend(fontsize=8)
     steps = [r["step"] for r in evals]
-    for i in range(sum(1 for k in (evals[-1] if evals else {}) if k.startswith("eval/acc_"))):
+    # eval/acc_0, eval/acc_1, ... (not eval/acc_t1_i, the T=1 proxy)
+    for i in range(sum(1 for k in (evals[-1] if evals else {}) if re.fullmatch(r"eval/acc_\d+", k))):
         ax1.plot(steps, [r[f"eval/acc_{i}"] for r in evals], marker="o", label=f"TTT step {i}")
     ax1.set(xlabel="optimizer step", ylabel="held-out top-1 acc (teacher-forced)", title="held-out acc_i per TTT step")
     if evals:
