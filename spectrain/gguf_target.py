@@ -17,7 +17,6 @@ same weights (the same GGUF through an engine that dequantizes it the same way, 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -25,6 +24,8 @@ import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
+
+from spectrain.integrity import sha256
 
 MARKER = "spectrain_gguf.json"
 
@@ -85,14 +86,6 @@ def _local_gguf(where: str, name: str, name_was_path: bool = False) -> tuple[Pat
     return local.parent, local.name
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def quant_type(path: Path) -> str:
     """The most common tensor type among the 2-D (weight matrix) tensors, e.g. Q4_1."""
     from gguf import GGUFReader
@@ -105,7 +98,7 @@ def quant_type(path: Path) -> str:
 def dequantized_checkpoint(folder: Path, name: str) -> Path:
     """The cached checkpoint for folder/name, made atomically on first use."""
     src = folder / name
-    sha = _sha256(src)
+    sha = sha256(src)
     out = cache_root() / "gguf" / f"{Path(name).stem}-{sha[:16]}"
     info = gguf_info(out)
     if info is not None and info.get("gguf_sha256") == sha:
