@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from spectrain import train as T  # noqa: E402
+from spectrain.train import loop as T  # noqa: E402
+from spectrain.train import schedule as S  # noqa: E402
 
 
 def _sync(device) -> None:
@@ -67,21 +68,21 @@ class Clock:
 
 
 def build(recipe_path: str, overrides: list[str], n_batches: int):
-    from spectrain.data import build_dataset, token_frequencies
-    from spectrain.features import _pad_id
-    from spectrain.recipe import load_recipe
-    from spectrain.target import load_target
+    from spectrain.data.dataset import build_dataset, token_frequencies
+    from spectrain.data.features import _pad_id
+    from spectrain.recipe.load import load_recipe
+    from spectrain.target.model import load_target
 
     recipe = load_recipe(recipe_path, overrides)
     target = load_target(recipe.target.name_or_path, dtype=recipe.target.dtype,
                          trust_remote_code=recipe.target.trust_remote_code)
     rows = build_dataset(recipe.data, target.tokenizer, "train")
     t = recipe.training
-    order = T.epoch_order(len(rows), t.seed, 0)
+    order = S.epoch_order(len(rows), t.seed, 0)
     batches: list[list[int]] = []
     for s in range(0, len(order), t.global_batch_size):
         g = order[s:s + t.global_batch_size]
-        batches += T.rank_micro_batches(g, [int(rows.lengths[i]) for i in g], t.micro_batch_size, 0, 1)
+        batches += S.rank_micro_batches(g, [int(rows.lengths[i]) for i in g], t.micro_batch_size, 0, 1)
         if len(batches) > n_batches:
             break
     torch.manual_seed(t.seed)
@@ -101,7 +102,7 @@ def autocast_ctx(recipe, device):
 
 def run_variant(name, batches, get, drafter, opt, clock, amp, steps=None, packed=False):
     """Train steps over `batches` (the first is warm-up, untimed). `get(idx)` -> (batch, feats)."""
-    from spectrain.packing import pack_rows
+    from spectrain.data.packing import pack_rows
 
     if steps is not None:
         drafter.config["ttt_steps"] = steps
@@ -141,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     amp = lambda: autocast_ctx(recipe, dev)  # noqa: E731
     timed = batches[1:]
     tokens = sum(int(src.lengths[i]) for b in timed for i in b)
-    from spectrain.data import collate
+    from spectrain.data.dataset import collate
 
-    opt, _ = T.build_optimizer(recipe, drafter, target)
+    opt, _ = S.build_optimizer(recipe, drafter, target)
     online = _Getter(src.get, target)
     # offline: features precomputed once, stored as bf16 on the host like the cache, read back per step
     store = {}

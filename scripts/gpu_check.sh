@@ -9,7 +9,7 @@
 #   1. tiny_train  recipes/tiny/{eagle3,medusa,draft}.yaml on the device, bf16, 1 process, TINY_STEPS
 #                  optimizer steps each -> tokens/s (needs assets/reference-target; skipped if absent)
 #   2. synthetic   a random-weight Llama with Llama-3.2-1B's shape (1.24B params) built in-process;
-#                  EAGLE-3 training steps through spectrain.train -> tokens/s, TFLOP/s and MFU
+#                  EAGLE-3 training steps through spectrain.train.loop -> tokens/s, TFLOP/s and MFU
 #                  (formula in scripts/gpu_check.py; peak 989 TFLOP/s bf16 dense, override with PEAK)
 #   3. lossless    greedy speculative decoding (n-gram drafter and the three step-1 drafters) against
 #                  HF generate(do_sample=False) on the device: fp32 must match token for token; bf16

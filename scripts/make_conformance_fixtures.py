@@ -190,10 +190,10 @@ def spectrain_variant(out: Path, name: str, target_dir: Path, ids, aux, meta: di
     sys.path.insert(0, str(REPO))
     from transformers import LlamaForCausalLM
 
-    from spectrain.drafters.eagle3 import Eagle3Drafter
+    from spectrain.drafters.eagle3.model import Eagle3Drafter
     from spectrain.export import export
-    from spectrain.recipe import Recipe
-    from spectrain.target import FrozenTarget
+    from spectrain.recipe.schema import Recipe
+    from spectrain.target.model import FrozenTarget
 
     target = FrozenTarget(LlamaForCausalLM.from_pretrained(str(target_dir)).eval(), tokenizer=None,
                           name_or_path=str(target_dir))

@@ -41,8 +41,8 @@ EVAL_KEYS = ["eval/sim_tau_proxy", "eval/sim_tau_t1", "eval/acc_0", "eval/acc_t1
 def train(recipe: str, name: str, overrides: list[str], steps: int, work: Path, extra: list[str]) -> Path:
     """One variant, in this process; records the process CPU seconds of every optimizer step (on a shared
     machine CPU time, unlike wall time, does not depend on what else runs)."""
-    from spectrain import train as T
-    from spectrain.recipe import load_recipe
+    from spectrain.recipe.load import load_recipe
+    from spectrain.train import loop as T
 
     out = work / name
     if (out / "cpu_times.json").is_file():

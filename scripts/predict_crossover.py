@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from spectrain import roofline
+from spectrain.eval import roofline
 
 PRESETS = {"llama-3.1-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                                 num_hidden_layers=32, intermediate_size=14336, vocab_size=128256)}

@@ -197,7 +197,7 @@ def paired_vs(recs: list[dict], sets: list[str], ref: str) -> list[str]:
     """tau(head) - tau(ref) per set with a paired 95% bootstrap interval (same prompts, resampled jointly),
     and the mean over sets of tau(head) / tau(ref)."""
     sys.path.insert(0, str(ROOT))
-    from spectrain.stats import paired_diff_ci
+    from spectrain.eval.stats import paired_diff_ci
 
     by = {(Path(r["drafter"]).name, r["temperature"], r["prompt_set"]): r for r in recs}
     heads = [h for h in dict.fromkeys(Path(r["drafter"]).name for r in recs) if h != ref]

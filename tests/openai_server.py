@@ -1,7 +1,7 @@
 """A small OpenAI-compatible chat-completions server on 127.0.0.1 that really decodes with a target
 (tests only): POST /v1/chat/completions renders the messages with the target's chat template (plus the
 request's chat_template_kwargs, as vLLM and SGLang do), decodes greedily or sampled with the request's seed
-through spectrain.regenerate.generate_batch, and answers with content, finish_reason and usage.
+through spectrain.data.regenerate.generate_batch, and answers with content, finish_reason and usage.
 
     with OpenAIServer(target, fail_after=3) as srv:   # srv.url = http://127.0.0.1:PORT
         ...
@@ -17,7 +17,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from spectrain import regenerate as rg
+from spectrain.data import generate as G
 
 
 class OpenAIServer:
@@ -27,7 +27,7 @@ class OpenAIServer:
         self.requests: list[dict] = []
         self.answered = 0
         self._lock = threading.Lock()  # one decode at a time: the model is not thread-safe
-        self._stop = rg.stop_token_ids(target)
+        self._stop = G.stop_token_ids(target)
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
 
@@ -46,13 +46,13 @@ class OpenAIServer:
             if self.fail_after is not None and self.answered >= self.fail_after:
                 return 503, {"error": {"message": "server overloaded"}}
             try:
-                ids = rg._prompt_ids(tok, body["messages"], body.get("chat_template_kwargs"))
+                ids = G._prompt_ids(tok, body["messages"], body.get("chat_template_kwargs"))
             except Exception as e:  # a template error is the client's fault: 400, like vLLM
                 return 400, {"error": {"message": f"template: {e}"}}
             if len(ids) + body["max_tokens"] > self.target.max_positions:
                 return 400, {"error": {"message": "This model's maximum context length is exceeded"}}
             time.sleep(self.delay_s)
-            [(out, truncated)] = rg.generate_batch(self.target, [ids], [int(body.get("seed", 0))], body["max_tokens"],
+            [(out, truncated)] = G.generate_batch(self.target, [ids], [int(body.get("seed", 0))], body["max_tokens"],
                                                    float(body.get("temperature", 0.0)), self._stop)
             self.answered += 1
         text = tok.decode(out, skip_special_tokens=False, clean_up_tokenization_spaces=False)

@@ -10,8 +10,8 @@ import torch
 from conftest import make_tiny_target
 from test_train import make_rows
 
-from spectrain import train as T
-from spectrain.recipe import recipe_from_dict
+from spectrain.recipe.load import recipe_from_dict
+from spectrain.train import loop as T
 
 torch.set_num_threads(1)
 
@@ -46,12 +46,12 @@ def test_acceptance_loss_trains_and_the_t1_proxy_is_logged(tmp_path, kind, loss)
 
 
 def _eagle3_metrics(vocab: int):
-    from spectrain.sources import OnlineSource
+    from spectrain.train.sources import OnlineSource
 
     target = make_tiny_target("llama")
     recipe = _recipe("unused", "eagle3", "accept", vocab=vocab)
     rows = make_rows(4)
-    from spectrain.data import token_frequencies
+    from spectrain.data.dataset import token_frequencies
 
     drafter = T.drafter_class("eagle3").from_recipe(recipe, target, token_frequencies(rows, target.vocab_size))
     src = OnlineSource(rows, target, 0, "cpu")

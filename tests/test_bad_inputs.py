@@ -103,7 +103,7 @@ def test_planted_pickle_runs_nothing_and_is_refused(world, tmp_path, capsys):
 
 
 def test_planted_pickle_with_a_resealed_manifest_is_still_refused(world, tmp_path, capsys):
-    from spectrain.integrity import seal
+    from spectrain.io.integrity import seal
 
     run = copy_run(world, tmp_path)
     marker = tmp_path / "PWNED"
@@ -206,7 +206,7 @@ def test_corrupt_or_incomplete_export_refused_by_validate(world, tmp_path, capsy
 
 
 def test_every_checkpoint_and_export_carries_checksums(world):
-    from spectrain.integrity import problems, read_manifest
+    from spectrain.io.integrity import problems, read_manifest
 
     for d in ("run/step-1", "run/step-2", "run/best", "run/init", "exp"):
         listed = read_manifest(world / d)
@@ -260,8 +260,8 @@ def test_damaged_trainer_state_is_named(world, tmp_path, capsys, monkeypatch):
 
 
 def test_corrupt_tokenized_data_cache_is_named_discarded_and_rebuilt(world, tmp_path, capsys):
-    from spectrain.data import build_dataset
-    from spectrain.recipe import load_recipe
+    from spectrain.data.dataset import build_dataset
+    from spectrain.recipe.load import load_recipe
 
     r = load_recipe(world / "recipe.yaml", [f"data.cache_dir={tmp_path / 'c'}"])
     tok = _tiny_tokenizer()
@@ -490,7 +490,7 @@ def test_export_force_onto_a_symlink_and_readable_modes(world, tmp_path):
 
 
 def test_extend_a_finished_run_and_clean_leftovers(world, tmp_path, capsys):
-    from spectrain.outputs import record_temp
+    from spectrain.io.outputs import record_temp
 
     run = copy_run(world, tmp_path)
     for name in (".tmp-step-7", ".tmp-best"):  # what kill -9 during a save leaves: recorded, then created
@@ -518,7 +518,7 @@ def test_extend_a_finished_run_and_clean_leftovers(world, tmp_path, capsys):
 
 
 def test_swap_in_replaces_atomically(tmp_path):
-    from spectrain.outputs import _exchange, swap_in
+    from spectrain.io.outputs import _exchange, swap_in
 
     a, b = tmp_path / "new", tmp_path / "best"
     for d, tag in ((a, "new"), (b, "old")):
@@ -582,7 +582,7 @@ def test_corrupt_or_truncated_feature_shard_refused(tmp_path):
     from conftest import make_tiny_target
     from test_train import make_rows
 
-    from spectrain.features import FeatureCache, write_feature_cache
+    from spectrain.data.features import FeatureCache, write_feature_cache
 
     target = make_tiny_target("llama")
     write_feature_cache(target, {"train": make_rows(6)}, tmp_path, [1, 3, 5], "fp32", max_length=64, verbose=False)
@@ -712,7 +712,7 @@ def test_run_dir_lock_refuses_a_second_writer_and_takes_over_a_stale_lock(world,
     import subprocess
     import sys
 
-    from spectrain.outputs import LOCK, run_lock
+    from spectrain.io.outputs import LOCK, run_lock
 
     run = copy_run(world, tmp_path)
     with run_lock(run):  # another writer holds the run dir (here: this process)
@@ -741,7 +741,7 @@ def test_symlinks_in_a_run_dir_are_replaced_never_written_through(world, tmp_pat
     assert private.read_text() == "secret"
     assert not (run / "recipe.yaml").is_symlink() and "max_steps: 3" in (run / "recipe.yaml").read_text()
     assert not (run / "metrics.jsonl").is_symlink()
-    from spectrain.outputs import append_text_safe
+    from spectrain.io.outputs import append_text_safe
 
     (run / "metrics.jsonl").unlink()
     (run / "metrics.jsonl").symlink_to(private)
@@ -755,7 +755,7 @@ def test_symlinks_in_a_run_dir_are_replaced_never_written_through(world, tmp_pat
 
 def test_a_link_out_of_a_checkpoint_is_refused_by_export_eval_and_load(world, target, tmp_path, capsys):
     from spectrain import load_drafter
-    from spectrain.integrity import seal
+    from spectrain.io.integrity import seal
 
     run = copy_run(world, tmp_path)
     private = tmp_path / "private.txt"
@@ -828,7 +828,7 @@ def test_a_step_that_makes_weights_non_finite_stops_the_run_and_seals_nothing(wo
 
 
 def test_non_finite_weights_are_never_saved(tmp_path):
-    from spectrain.checkpoint import save_drafter_dir
+    from spectrain.train.checkpoint import save_drafter_dir
 
     head = torch.nn.Linear(2, 2)
     head.weight.data[0, 0] = float("inf")
@@ -849,7 +849,7 @@ def test_a_resealed_head_with_bad_weights_is_refused_at_load(world, target, tmp_
     from safetensors.torch import load_file, save_file
 
     from spectrain import load_drafter
-    from spectrain.integrity import seal
+    from spectrain.io.integrity import seal
 
     run = copy_run(world, tmp_path)
     w = run / "best" / "model.safetensors"
@@ -865,7 +865,7 @@ def test_a_resealed_head_with_bad_weights_is_refused_at_load(world, target, tmp_
 
 
 def test_decoding_refuses_non_finite_logits():
-    from spectrain.sampling import Sampler
+    from spectrain.decoding.sampling import Sampler
 
     logits = torch.tensor([0.0, 1.0, float("nan")])
     for s in (Sampler(), Sampler(temperature=1.0)):
@@ -880,7 +880,7 @@ def test_decoding_refuses_non_finite_logits():
 @pytest.mark.parametrize("form", ["1d-tensor", "2d-tensor", "list", "list-of-lists"])
 def test_attention_mask_is_honoured_for_every_prompt_form(target, form):
     """Padding masked out is never decoded: each form with a pad-carrying mask equals the unpadded prompt."""
-    from spectrain.decoding import plain_generate
+    from spectrain.decoding.loop import plain_generate
 
     prompt, pad = [5, 6, 7, 8], [0, 0]
     ids, mask = pad + prompt, [0] * len(pad) + [1] * len(prompt)
@@ -958,7 +958,7 @@ def test_a_checkpoint_or_head_without_manifest_is_refused_until_sealed(world, ta
 
 def test_heads_saved_through_save_pretrained_carry_a_manifest(world, target, tmp_path):
     from spectrain import load_drafter
-    from spectrain.integrity import problems, read_manifest
+    from spectrain.io.integrity import problems, read_manifest
 
     head = load_drafter(str(world / "run" / "best"), target).model
     head.save_pretrained(tmp_path / "h")
@@ -983,7 +983,12 @@ def _changed_target(world: Path, dst: Path, copy: bool = True) -> Path:
 
 def test_target_fingerprint_covers_every_layer_and_resume_refuses_another_target(world, target, tmp_path, capsys):
     from spectrain import load_target
-    from spectrain.features import FINGERPRINT_PREFIX, legacy_fingerprint, same_target, target_fingerprint
+    from spectrain.target.fingerprint import (
+        FINGERPRINT_PREFIX,
+        legacy_fingerprint,
+        same_target,
+        target_fingerprint,
+    )
 
     other = load_target(str(_changed_target(world, tmp_path / "t2")), device="cpu")
     fp = target_fingerprint(target)
@@ -1003,7 +1008,7 @@ def test_offline_feature_cache_refuses_a_target_with_other_layers(world, target,
     from test_train import make_rows
 
     from spectrain import load_target
-    from spectrain.features import FeatureCache, write_feature_cache
+    from spectrain.data.features import FeatureCache, write_feature_cache
 
     write_feature_cache(target, {"train": make_rows(4)}, tmp_path / "fc", [1, 3, 5], "fp32", max_length=64,
                         verbose=False)

@@ -8,7 +8,7 @@ import pytest
 from test_evaluate import one_thread, workdir  # noqa: F401  (fixtures: a saved tiny target + prompt files)
 
 from spectrain.cli import main as cli_main
-from spectrain.roofline import crossover
+from spectrain.eval.roofline import crossover
 
 
 def test_sweep_report(workdir, tmp_path):  # noqa: F811

@@ -16,15 +16,17 @@ from conftest import make_tiny_model, make_tiny_target
 from test_decoding import PROMPTS, AlwaysWrong, OracleTree, hf_greedy
 from test_sampling_exact import chi_square_pvalue, e2e_counts, e2e_exact
 
-import spectrain.acceptance as acceptance
-import spectrain.batched as batched
-from spectrain.decoding import DecodeStats, plain_generate, speculative_generate
-from spectrain.drafters.base import Drafter, Proposal
+import spectrain.decoding.acceptance as acceptance
+import spectrain.decoding.batched as batched
+import spectrain.decoding.kv_cache as kv_cache
+from spectrain.decoding.interface import Drafter, Proposal
+from spectrain.decoding.loop import DecodeStats, plain_generate, speculative_generate
 from spectrain.drafters.draft_lm import DraftLMDrafter
-from spectrain.drafters.eagle3 import Eagle3Drafter, Eagle3Proposer
+from spectrain.drafters.eagle3.decode import Eagle3Proposer
+from spectrain.drafters.eagle3.model import Eagle3Drafter
 from spectrain.drafters.medusa import MedusaHeads, MedusaProposer
 from spectrain.drafters.ngram import NgramDrafter
-from spectrain.recipe import Recipe
+from spectrain.recipe.schema import Recipe
 
 torch.set_num_threads(1)
 
@@ -91,7 +93,7 @@ def test_batched_stats_equal_unbatched_per_row():
 def test_eagle3_batched_drafts_equal_single_row_drafts(monkeypatch, tree):
     """The batched head cache (ragged ingestion, holes, compaction) and the batched EAGLE-2 trees draft
     what one row alone drafts."""
-    import spectrain.decoding as dec
+    import spectrain.decoding.loop as dec
 
     target = make_tiny_target("llama")
     prop = eagle3(target)
@@ -158,14 +160,14 @@ def test_ragged_acceptance_eos_mid_batch_and_different_lengths():
 def test_compaction_keeps_rows_exact(monkeypatch):
     target = make_tiny_target("mistral")
     calls = []
-    real = batched.compact_order
+    real = kv_cache.compact_order
 
     def spy(slot_pos, *a, **kw):
         order = real(slot_pos, *a, **kw)
         calls.append(order is not None)
         return order
 
-    monkeypatch.setattr(batched, "compact_order", spy)
+    monkeypatch.setattr(kv_cache, "compact_order", spy)
     refs = [hf_greedy(target, p, 40, eos=[]) for p in PROMPTS]
     outs = speculative_generate(target, AlwaysWrong(target), PROMPTS, 40, k=4, eos_token_id=[], batch_size=4)
     assert [o.tokens for o in outs] == refs
@@ -181,7 +183,7 @@ def test_sliding_window_and_eager_batched():
         assert [o.tokens for o in outs] == refs
     model = make_tiny_model("llama")
     model.set_attn_implementation("eager")
-    from spectrain.target import FrozenTarget
+    from spectrain.target.model import FrozenTarget
 
     target = FrozenTarget(model)
     refs = [hf_greedy(target, p, 16, eos=[]) for p in PROMPTS]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from spectrain import compare as C
 from spectrain.cli import main as cli_main
+from spectrain.eval import compare as C
 
 
 def rec(drafter, tokens, passes, ids, prompt_set="heldout", config="k=3 T=0"):

@@ -18,11 +18,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spectrain.decoding import speculative_generate
+from spectrain import registry
+from spectrain.decoding.loop import speculative_generate
 from spectrain.drafters import load_drafter
-from spectrain.drafters.eagle3 import LAYOUT_FLAGS, Eagle3Drafter, Eagle3Proposer
-from spectrain.drafters.eagle3_import import import_eagle3
-from spectrain.target import FrozenTarget
+from spectrain.drafters.eagle3.decode import Eagle3Proposer
+from spectrain.drafters.eagle3.interop import import_eagle3
+from spectrain.drafters.eagle3.model import LAYOUT_FLAGS, Eagle3Drafter
+from spectrain.target.model import FrozenTarget
 
 torch.set_num_threads(1)
 FIX = Path(__file__).parent / "fixtures" / "conformance"
@@ -143,12 +145,12 @@ def test_imported_default_layout_decodes_losslessly(target):
 
 def test_speculators_default_head_trains_in_spectrain(target):
     """init_from loads speculators' default layout; TTT training moves its layout-specific weights."""
-    from spectrain.recipe import Recipe
+    from spectrain.recipe.schema import Recipe
 
     r = Recipe()
     r.drafter.eagle3.init_from, r.drafter.eagle3.ttt_steps = str(FIX / "speculators_default"), 3
     r.drafter.eagle3.freeze_lm_head = True  # as speculators trains it
-    head = Eagle3Drafter.from_recipe(r, target, None)
+    head = registry.build_head("eagle3", r, target, None)  # what the loop builds: init_from goes through interop
     assert head.layout["norm_before_fc"] and head.config["init_from"].endswith("speculators_default")
     assert not head.lm_head.weight.requires_grad
     assert ttt_diff(head, target, FIX, recorded(FIX / "speculators_default")) <= TOL

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spectrain import cost_curve as cc
+from spectrain.eval import cost_curve as cc
 
 # A CPU-like curve: 1-2 tokens cost one step, 4 cost two (the small-matmul step), then slow growth.
 CPU = {1: 1.0, 2: 1.1, 4: 2.0, 8: 2.3, 16: 3.2, 32: 3.8}

@@ -9,16 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from spectrain.data import (
-    build_dataset,
-    collate,
-    heldout_prompts,
-    is_heldout,
-    load_conversations,
-    token_frequencies,
-    tokenize_conversation,
-)
-from spectrain.recipe import DataConfig
+from spectrain.data.chat import is_heldout, load_conversations, tokenize_conversation
+from spectrain.data.dataset import build_dataset, collate, heldout_prompts, token_frequencies
+from spectrain.recipe.schema import DataConfig
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import make_tiny_model, make_tiny_target
 
-from spectrain.decoding import DecodeStats, plain_generate, speculative_generate
-from spectrain.drafters.base import Drafter, Proposal
+from spectrain.decoding.interface import Drafter, Proposal
+from spectrain.decoding.loop import DecodeStats, plain_generate, speculative_generate
 from spectrain.drafters.draft_lm import DraftLMDrafter
 from spectrain.drafters.ngram import NgramDrafter
 
@@ -126,7 +126,7 @@ def test_sliding_window_chain_and_tree():
 def test_eager_attention_tree():
     model = make_tiny_model("llama")
     model.set_attn_implementation("eager")
-    from spectrain.target import FrozenTarget
+    from spectrain.target.model import FrozenTarget
 
     target = FrozenTarget(model)
     ref = hf_greedy(target, PROMPTS[0], 16, eos=[])

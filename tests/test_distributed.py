@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spectrain.data import is_heldout
+from spectrain.data.chat import is_heldout
 
 REPO = Path(__file__).resolve().parents[1]
 THIS = Path(__file__).resolve()
@@ -335,8 +335,8 @@ def _identity() -> dict:
 
 def worker_ranks(out: Path) -> int:
     """Form accelerate's group the way the loop does and report what each process really is."""
-    from spectrain.recipe import recipe_from_dict
-    from spectrain.train import make_accelerator
+    from spectrain.recipe.load import recipe_from_dict
+    from spectrain.train.loop import make_accelerator
 
     recipe = recipe_from_dict({"training": {"global_batch_size": 8, "micro_batch_size": 4}, "output_dir": str(out)})
     acc = make_accelerator(recipe)
@@ -347,8 +347,8 @@ def worker_ranks(out: Path) -> int:
 
 
 def worker_train(out: Path, recipe_path: str, overrides: list[str]) -> int:
-    """Run the real loop (spectrain.train.main) and record, per rank, the rows each micro-batch held."""
-    from spectrain import train as T
+    """Run the real loop (spectrain.train.loop.main) and record, per rank, the rows each micro-batch held."""
+    from spectrain.train import loop as T
 
     seen: list[list[int]] = []
     original_get = T.OnlineSource.get

@@ -12,8 +12,7 @@ from conftest import make_tiny_model, make_tiny_target
 from test_drafters import make_tokenizer
 from test_train import losses, make_rows
 
-from spectrain import train as T
-from spectrain.decoding import plain_generate, speculative_generate
+from spectrain.decoding.loop import plain_generate, speculative_generate
 from spectrain.drafters import load_drafter
 from spectrain.drafters.draft_lm import (
     DraftLMDrafter,
@@ -22,8 +21,10 @@ from spectrain.drafters.draft_lm import (
     layer_subset,
     sliced_config,
 )
-from spectrain.losses import fkl
-from spectrain.recipe import Recipe, recipe_from_dict
+from spectrain.drafters.losses import fkl, sim_tau
+from spectrain.recipe.load import recipe_from_dict
+from spectrain.recipe.schema import Recipe
+from spectrain.train import loop as T
 
 torch.set_num_threads(1)
 
@@ -77,7 +78,7 @@ def test_layer_subset_equals_hand_built_model_with_sliced_layer_types():
                          num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
                          max_window_layers=4, max_position_embeddings=256)
     torch.manual_seed(0)
-    from spectrain.target import FrozenTarget
+    from spectrain.target.model import FrozenTarget
 
     target = FrozenTarget(tf.Qwen2ForCausalLM(cfg).eval(), name_or_path="tiny-swa")
     layers = [1, 6]
@@ -176,7 +177,7 @@ def test_chain_metrics_run_lengths():
     m = chain_metrics(valid, agree, torch.full((5,), 0.5), k=3)
     # greedy runs from each anchor (capped at 3): 2, 1, 0, 1, 1 -> P(run>=1)=4/5, P(run>=2)=1/5, P(run>=3)=0
     assert m["acc_0"] == pytest.approx(0.8) and m["acc_1"] == pytest.approx(0.25) and m["acc_2"] == 0.0
-    assert m["sim_tau"] == pytest.approx(1 + 0.8 + 0.2) == T.sim_tau([m[f"acc_{i}"] for i in range(3)])
+    assert m["sim_tau"] == pytest.approx(1 + 0.8 + 0.2) == sim_tau([m[f"acc_{i}"] for i in range(3)])
     # T=1: anchors 0..3, 5 with a=0.5; products over runs inside the valid span
     assert m["sim_tau_t1"] == pytest.approx(1 + 0.5 + (0.25 * 3) / 5 + (0.125 * 2) / 5)
 
@@ -245,7 +246,7 @@ def test_other_target_warns_on_load(trained):
 
 
 def test_offline_first_step_loss_equals_online(tmp_path):
-    from spectrain.features import write_feature_cache
+    from spectrain.data.features import write_feature_cache
 
     target = make_tiny_target("llama")
     rows, held = make_rows(16), make_rows(4, seed=1)

@@ -8,12 +8,13 @@ import pytest
 import torch
 from conftest import make_tiny_model, make_tiny_target
 
-from spectrain.decoding import plain_generate, speculative_generate
-from spectrain.drafters import REGISTRY, load_drafter
-from spectrain.drafters.base import DraftContext, Drafter
+from spectrain import registry
+from spectrain.decoding.interface import DraftContext, Drafter
+from spectrain.decoding.loop import plain_generate, speculative_generate
+from spectrain.decoding.sampling import Sampler
+from spectrain.drafters import load_drafter
 from spectrain.drafters.draft_lm import DraftLMDrafter
 from spectrain.drafters.ngram import NgramDrafter
-from spectrain.sampling import Sampler
 
 torch.set_num_threads(1)
 
@@ -103,12 +104,12 @@ def test_vocab_mismatch_is_refused():
 
 
 def test_load_drafter_dispatch(tmp_path, monkeypatch):
-    from spectrain.integrity import seal
+    from spectrain.io.integrity import seal
 
     target = make_tiny_target("llama")
     target.tokenizer = make_tokenizer()
     assert isinstance(load_drafter("ngram", target), NgramDrafter)
-    assert "eagle3" in REGISTRY and "medusa" in REGISTRY
+    assert "eagle3" in registry.FAMILIES and "medusa" in registry.FAMILIES
 
     class Fake(Drafter):
         name = "fake"
@@ -119,7 +120,8 @@ def test_load_drafter_dispatch(tmp_path, monkeypatch):
         seen["args"] = (path, tgt)
         return Fake()
 
-    monkeypatch.setitem(REGISTRY, "fake", loader)
+    monkeypatch.setitem(registry.FAMILIES, "fake", registry.Family("fake", "fake drafters", head="", drafter=loader,
+                                                                   features=registry.FeatureSpec()))
     run = tmp_path / "run"
     run.mkdir()
     (run / "drafter_config.json").write_text(json.dumps({"kind": "fake"}))

@@ -6,11 +6,12 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from spectrain.drafters.base import DraftContext, TargetFeatures
-from spectrain.drafters.eagle3 import Eagle3Drafter, Eagle3Proposer, build_draft_vocab, load
-from spectrain.losses import fkl
-from spectrain.recipe import Recipe
-from spectrain.sampling import Sampler
+from spectrain.decoding.interface import DraftContext, TargetFeatures
+from spectrain.decoding.sampling import Sampler
+from spectrain.drafters.eagle3.decode import Eagle3Proposer, load
+from spectrain.drafters.eagle3.model import Eagle3Drafter, build_draft_vocab
+from spectrain.drafters.losses import fkl
+from spectrain.recipe.schema import Recipe
 
 torch.set_num_threads(1)
 EXPECTED_KEYS = {
@@ -235,7 +236,7 @@ def test_save_load_roundtrip_and_wrong_target(target, tmp_path):
 
 @pytest.mark.parametrize("tree", [None, {"topk": 3, "total_tokens": 12}])
 def test_speculative_generate_greedy_is_lossless(target, tmp_path, tree):
-    from spectrain.decoding import plain_generate, speculative_generate
+    from spectrain.decoding.loop import plain_generate, speculative_generate
 
     make_head(target, draft_vocab_size=100).save_pretrained(tmp_path)
     drafter = load(tmp_path, target)
@@ -246,7 +247,7 @@ def test_speculative_generate_greedy_is_lossless(target, tmp_path, tree):
 
 
 def test_speculative_generate_sampling_runs_and_is_seeded(target, tmp_path):
-    from spectrain.decoding import speculative_generate
+    from spectrain.decoding.loop import speculative_generate
 
     make_head(target).save_pretrained(tmp_path)
     drafter = load(tmp_path, target)
@@ -263,7 +264,7 @@ def test_speculative_generate_sampling_runs_and_is_seeded(target, tmp_path):
 def test_training_carries_over_to_decoding(target):
     """End to end: TTT on target-generated text raises the tau that speculative decoding measures on
     the same prompts (would stay ~1 if training and decoding disagreed on alignment)."""
-    from spectrain.decoding import plain_generate, speculative_generate
+    from spectrain.decoding.loop import plain_generate, speculative_generate
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, target.vocab_size, (6,), generator=g) for _ in range(4)]
@@ -297,7 +298,7 @@ def _sampled_tree_pvalue(target, broken: bool, n: int = 2500) -> float:
     """Chi-square p-value of the first two tokens emitted by sampled tree decoding against the exact
     target law p(x1) p(x2 | x1), with a briefly trained head so that deeper nodes get accepted."""
     st = pytest.importorskip("scipy.stats")
-    from spectrain.decoding import plain_generate, speculative_generate
+    from spectrain.decoding.loop import plain_generate, speculative_generate
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, target.vocab_size, (6,), generator=g) for _ in range(4)]

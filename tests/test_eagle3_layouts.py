@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 from test_eagle3 import feats_of, make_head
 
 from spectrain import export as E
-from spectrain.drafters.eagle3 import Eagle3Drafter
-from spectrain.drafters.eagle3_import import import_eagle3
-from spectrain.recipe import recipe_from_dict
+from spectrain.drafters.eagle3.interop import import_eagle3
+from spectrain.drafters.eagle3.model import Eagle3Drafter
+from spectrain.recipe.load import recipe_from_dict
 
 torch.set_num_threads(1)
 ALL_OFF = {"norm_before_fc": False, "fc_norm": False, "norm_before_residual": False, "norm_output": False}
@@ -120,7 +120,7 @@ def test_sliding_window_ttt_matches_decoding_chain_and_tree(target):
     (chain), and the tree's first-level node equals the chain's first draft."""
     from test_eagle3 import _propose
 
-    from spectrain.sampling import Sampler
+    from spectrain.decoding.sampling import Sampler
 
     head = layout_head(target, {"norm_output": True}, sliding_window=4, ttt_steps=3)
     assert head.windows == [4] and head.config["layer_types"] == ["sliding_attention"]
@@ -169,7 +169,7 @@ def test_unsorted_checkpoint_sorted_with_fc_blocks(target, tmp_path):
     save_file(state, str(tmp_path / "bad" / "model.safetensors"))
     cfg = json.loads((tmp_path / "ok" / "drafter_config.json").read_text())
     (tmp_path / "bad" / "drafter_config.json").write_text(json.dumps({**cfg, "aux_layers": [5, 2, 4]}))
-    from spectrain.integrity import seal
+    from spectrain.io.integrity import seal
 
     seal(tmp_path / "bad")  # export refuses an unsealed checkpoint
     with pytest.warns(UserWarning, match=r"not ascending; fc's input blocks were reordered to \[2, 4, 5\]"):
@@ -232,7 +232,7 @@ def test_import_refuses_what_it_cannot_represent(target, tmp_path, config, tenso
 def test_packed_ttt_takes_a_window_longer_than_the_row(target):
     """speculators' default 2048 window masks nothing in a short packed row: packing trains that layout; a window
     shorter than the row is refused by name (packed windowed attention is not implemented)."""
-    from spectrain.packing import PackedDocs
+    from spectrain.data.packing import PackedDocs
 
     ids = torch.randint(3, target.vocab_size, (1, 14), generator=torch.Generator().manual_seed(5))
     docs = PackedDocs(torch.tensor([6, 8]))

@@ -7,9 +7,10 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from spectrain.drafters.eagle3 import Eagle3Drafter
-from spectrain.packing import PackedDocs, pack_rows
-from spectrain.recipe import Recipe, load_recipe, recipe_from_dict
+from spectrain.data.packing import PackedDocs, pack_rows
+from spectrain.drafters.eagle3.model import Eagle3Drafter
+from spectrain.recipe.load import load_recipe, recipe_from_dict
+from spectrain.recipe.schema import Recipe
 
 torch.set_num_threads(1)
 
@@ -45,7 +46,7 @@ def test_lm_head_from_target_rows_frozen_and_recorded(target, tmp_path):
     assert not head.lm_head.weight.requires_grad and head.fc.weight.requires_grad
     assert torch.equal(head.norm.weight, torch.ones_like(head.norm.weight))  # "target" leaves the norm alone
     assert head.config["lm_head_init"] == "target" and head.config["freeze_lm_head"] is True
-    from spectrain.train import build_optimizer
+    from spectrain.train.schedule import build_optimizer
 
     opt, params = build_optimizer(Recipe(), head, target)
     assert all(p is not head.lm_head.weight for p in params)
@@ -137,7 +138,7 @@ def test_recipe_keys_betas_threads_packing(tmp_path, monkeypatch):
             load_recipe("recipes/tiny/eagle3.yaml", [bad])
     with pytest.raises(ValueError, match="packing=true is implemented for drafter.kind=eagle3 only"):
         recipe_from_dict({"drafter": {"kind": "medusa"}, "training": {"packing": True}})
-    from spectrain.engine import resolve_num_threads
+    from spectrain.train.engine import resolve_num_threads
 
     monkeypatch.delenv("SPECTRAIN_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -154,7 +155,7 @@ def test_recipe_keys_betas_threads_packing(tmp_path, monkeypatch):
 
 
 def test_betas_reach_adamw(target):
-    from spectrain.train import build_optimizer
+    from spectrain.train.schedule import build_optimizer
 
     r = Recipe()
     r.training.adam_betas = [0.8, 0.99]
@@ -167,7 +168,7 @@ def test_training_loop_with_packing_matches_padded_and_frozen_head_stays(tmp_pat
     target is bit-identical after training."""
     from test_train import losses, make_rows, tiny_recipe
 
-    from spectrain import train as T
+    from spectrain.train import loop as T
 
     target = make_tiny_target("llama")
     rows, held = make_rows(12), make_rows(2, seed=1)

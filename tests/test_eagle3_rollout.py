@@ -11,10 +11,10 @@ import torch
 from conftest import make_tiny_target
 from test_train import losses, make_rows, tiny_recipe
 
-from spectrain import train as T
-from spectrain.drafters.eagle3_rollout import Rollout, first_divergence, verify_nodes
-from spectrain.recipe import recipe_from_dict
-from spectrain.sources import OnlineSource
+from spectrain.drafters.eagle3.rollout import Rollout, first_divergence, verify_nodes
+from spectrain.recipe.load import recipe_from_dict
+from spectrain.train import loop as T
+from spectrain.train.sources import OnlineSource
 
 torch.set_num_threads(1)
 
@@ -46,7 +46,7 @@ def _head_and_batch():
     recipe = tiny_recipe("unused")
     recipe.drafter.eagle3.rollout.anchors = 64  # every anchor
     rows = make_rows(4)
-    from spectrain.data import token_frequencies
+    from spectrain.data.dataset import token_frequencies
 
     head = T.drafter_class("eagle3").from_recipe(recipe, target, token_frequencies(rows, target.vocab_size))
     src = OnlineSource(rows, target, 0, "cpu")

@@ -8,10 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from spectrain import decoding
-from spectrain.decoding import DecodeStats
-from spectrain.evaluate import DecodeConfig, PromptSet, progress_total, run_cells
-from spectrain.report import make_record
+import spectrain.eval.harness as harness
+from spectrain.decoding.loop import DecodeStats
+from spectrain.eval.harness import DecodeConfig, progress_total, run_cells
+from spectrain.eval.prompts import PromptSet
+from spectrain.eval.report import make_record
 
 
 class Bar:
@@ -35,14 +36,12 @@ def test_repeats_alternate_and_the_speedup_is_the_median_of_paired_ratios(monkey
                                                                          drafted=4, target_passes=2, emitted=4))
         return fn
 
-    monkeypatch.setattr(decoding, "plain_generate", fake("plain"))
-    monkeypatch.setattr(decoding, "speculative_generate", fake("spec"))
+    monkeypatch.setattr(harness, "plain_generate", fake("plain"))  # the names the harness decodes with
+    monkeypatch.setattr(harness, "speculative_generate", fake("spec"))
     def timed(fn, **kw):
         return fn(**kw), next(clock)
 
-    import spectrain.sweep as sweep
-
-    monkeypatch.setattr(sweep, "timed", timed)
+    monkeypatch.setattr(harness, "timed", timed)
     target = SimpleNamespace(device="cpu")
     ps = PromptSet("p", "OOD", [[], []], "t")
     encoded = {"p": [[5] * 6, [5] * 2]}

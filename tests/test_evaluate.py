@@ -11,15 +11,8 @@ import torch
 from conftest import make_tiny_model
 
 from spectrain.cli import main as cli_main
-from spectrain.evaluate import (
-    PROMPT_SETS,
-    PROMPTS_DIR,
-    DecodeConfig,
-    PromptSet,
-    encode_prompts,
-    load_prompt_set,
-    parse_tree,
-)
+from spectrain.eval.harness import DecodeConfig, parse_tree
+from spectrain.eval.prompts import PROMPT_SETS, PROMPTS_DIR, PromptSet, encode_prompts, load_prompt_set
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
@@ -151,7 +144,7 @@ def test_too_long_prompts_are_skipped_or_truncated(workdir):
 def test_default_mix_drops_a_set_that_cannot_fit_but_a_named_one_fails(workdir):
     from transformers import AutoTokenizer
 
-    from spectrain.evaluate import _encode_all
+    from spectrain.eval.harness import _encode_all
 
     tok = AutoTokenizer.from_pretrained(workdir / "target")
 
@@ -189,8 +182,8 @@ def test_parse_tree():
 
 
 def test_record_formulas():
-    from spectrain.decoding import DecodeStats
-    from spectrain.report import make_record
+    from spectrain.decoding.loop import DecodeStats
+    from spectrain.eval.report import make_record
 
     s = DecodeStats(k=2, attempts=[10, 6], accepts=[6, 3], drafted=20, target_passes=10, emitted=19,
                     draft_time_s=1.0, target_time_s=10.0)

@@ -18,10 +18,11 @@ from test_eagle3 import make_head
 from test_medusa import final_hidden, make_heads
 
 from spectrain import export as E
-from spectrain.decoding import speculative_generate
-from spectrain.drafters.eagle3 import Eagle3Drafter, Eagle3Proposer
+from spectrain.decoding.loop import speculative_generate
+from spectrain.drafters.eagle3.decode import Eagle3Proposer
+from spectrain.drafters.eagle3.model import Eagle3Drafter
 from spectrain.export import medusa as medusa_export
-from spectrain.integrity import seal
+from spectrain.io.integrity import seal
 
 torch.set_num_threads(1)
 EAGLE3 = ("vllm-eagle3", "sglang-eagle3")

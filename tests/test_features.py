@@ -10,8 +10,9 @@ import torch
 from conftest import make_tiny_target
 from test_eagle3 import make_head, make_recipe
 
-from spectrain.data import ChatDataset, SkipReport, collate
-from spectrain.features import FeatureCache, bytes_per_token, main, write_feature_cache
+from spectrain.data.chat import SkipReport
+from spectrain.data.dataset import ChatDataset, collate
+from spectrain.data.features import FeatureCache, bytes_per_token, main, write_feature_cache
 
 torch.set_num_threads(1)
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny" / "eagle3.yaml")
@@ -112,11 +113,10 @@ def test_cache_for_another_target_or_layers_is_refused(target, head, tmp_path):
 
 
 def test_main_writes_both_splits(target, tmp_path, monkeypatch, capsys):
-    import spectrain.data
-    import spectrain.target
+    import spectrain.data.features
 
-    monkeypatch.setattr(spectrain.target, "load_target", lambda *a, **k: target)
-    monkeypatch.setattr(spectrain.data, "build_dataset",
+    monkeypatch.setattr(spectrain.data.features, "load_target", lambda *a, **k: target)
+    monkeypatch.setattr(spectrain.data.features, "build_dataset",
                         lambda cfg, tok, split, **k: make_rows(6 if split == "train" else 3, seed=int(split == "heldout")))
     out = tmp_path / "cache"
     assert main(RECIPE, [f"training.feature_cache={out}", "features.dtype=fp8",

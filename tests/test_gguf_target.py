@@ -13,8 +13,8 @@ pytest.importorskip("gguf", reason="the gguf package is not installed (pip insta
 
 from gguf_fixture import write_tiny_gguf  # noqa: E402
 
-from spectrain import gguf_target  # noqa: E402
-from spectrain.target import load_target  # noqa: E402
+from spectrain.target import gguf as gguf_target  # noqa: E402
+from spectrain.target.model import load_target  # noqa: E402
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -65,7 +65,7 @@ def test_gguf_target_is_dequantized_once_and_matches_transformers(tiny_gguf, fre
 
 
 def test_gguf_fingerprint_names_the_gguf(tiny_gguf, cache):
-    from spectrain.features import target_fingerprint
+    from spectrain.target.fingerprint import target_fingerprint
 
     target = load_target(str(tiny_gguf), device="cpu")
     plain = load_target(target.load_path, device="cpu")  # the same weights

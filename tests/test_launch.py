@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from spectrain import launch as L
-from spectrain import resources
-from spectrain.checkpoint import recipe_hash
-from spectrain.recipe import LaunchConfig, load_recipe
+from spectrain.io import resources
+from spectrain.recipe.load import load_recipe
+from spectrain.recipe.schema import LaunchConfig
+from spectrain.train import launch as L
+from spectrain.train.run_dir import recipe_hash
 
 NONE = LaunchConfig()
 
@@ -75,7 +76,7 @@ def test_launch_section_is_typed_and_outside_the_resume_hash():
 
 def test_under_a_launcher_the_process_trains(monkeypatch):
     calls = []
-    monkeypatch.setattr("spectrain.train.main", lambda recipe, ov: calls.append((recipe, ov)) or 0)
+    monkeypatch.setattr("spectrain.train.loop.main", lambda recipe, ov: calls.append((recipe, ov)) or 0)
     monkeypatch.setattr(L, "run_launch", lambda cmd, env: calls.append(("launched", cmd)) or 0)
     monkeypatch.setattr(L, "_cuda_devices", lambda: 0)
     for k in L._LAUNCHER_MARKERS:
@@ -120,7 +121,7 @@ def _train_args(*overrides: str, nproc=None, config=None):
 
 def test_all_visible_gpus_by_default_with_a_start_line(monkeypatch, capsys):
     calls = []
-    monkeypatch.setattr("spectrain.train.main", lambda recipe, ov: calls.append(("in-place", recipe)) or 0)
+    monkeypatch.setattr("spectrain.train.loop.main", lambda recipe, ov: calls.append(("in-place", recipe)) or 0)
     monkeypatch.setattr(L, "run_launch", lambda cmd, env: calls.append(("launched", cmd)) or 0)
     monkeypatch.setattr(L, "_cuda_devices", lambda: 8)  # 8 fake CUDA devices
     monkeypatch.setattr(L, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from spectrain.losses import LOSSES, drafter_loss, get_loss, hard_ce
+from spectrain.drafters.losses import LOSSES, drafter_loss, get_loss, hard_ce
 
 # teacher p = [0.25, 0.75], student q = [0.75, 0.25] (given as log-probs = valid logits)
 P = [0.25, 0.75]
@@ -86,7 +86,7 @@ def test_hard_ce_uses_the_labels_not_the_teacher():
 
 @pytest.mark.parametrize("name", ["accept", "lk"])
 def test_acceptance_losses_have_gradients_that_raise_the_overlap(name):
-    from spectrain.losses import overlap
+    from spectrain.drafters.losses import overlap
 
     torch.manual_seed(0)
     teacher = torch.randn(6, 9) * 2

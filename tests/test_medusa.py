@@ -11,14 +11,15 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from spectrain import train as T
-from spectrain.decoding import plain_generate, speculative_generate
+from spectrain.decoding.interface import DraftContext, TargetFeatures
+from spectrain.decoding.loop import plain_generate, speculative_generate
+from spectrain.decoding.sampling import Sampler
 from spectrain.drafters import load_drafter
-from spectrain.drafters.base import DraftContext, TargetFeatures
+from spectrain.drafters.losses import fkl
 from spectrain.drafters.medusa import MedusaHeads, MedusaProposer, best_tree, load
-from spectrain.losses import fkl
-from spectrain.recipe import Recipe, recipe_from_dict
-from spectrain.sampling import Sampler
+from spectrain.recipe.load import recipe_from_dict
+from spectrain.recipe.schema import Recipe
+from spectrain.train import loop as T
 
 torch.set_num_threads(1)
 
@@ -195,7 +196,7 @@ def test_greedy_chain_and_tree_equal_generate(arch, tied, tmp_path):
 def _e2e_counts(n: int, broken: bool, monkeypatch) -> tuple[float, float]:
     from test_sampling_exact import _e2e_models, chi_square_pvalue, e2e_counts, e2e_exact
 
-    import spectrain.acceptance as acceptance
+    import spectrain.decoding.acceptance as acceptance
 
     target, _ = _e2e_models()  # vocab 3: every 3-token outcome is enumerable
     drafter = MedusaProposer(make_heads(target, num_heads=2, perturb=0.5), target)
@@ -307,7 +308,7 @@ def test_training_carries_over_to_decoding(target):
 
 
 def test_offline_features_give_the_online_losses(target, tmp_path):
-    from spectrain.features import write_feature_cache
+    from spectrain.data.features import write_feature_cache
 
     rows, held = greedy_rows(target, 8), greedy_rows(target, 2, seed=1)
     online = medusa_recipe(tmp_path / "on", max_steps=3)

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 from test_draft_train import loop_recipe
 from test_train import losses, make_rows
 
-from spectrain import train as T
-from spectrain.on_policy import is_on_policy_step, prompt_of, sample_continuations
-from spectrain.recipe import recipe_from_dict
-from spectrain.sampling import Sampler
+from spectrain.decoding.sampling import Sampler
+from spectrain.recipe.load import recipe_from_dict
+from spectrain.train import loop as T
+from spectrain.train.on_policy import is_on_policy_step, prompt_of, sample_continuations
 
 torch.set_num_threads(1)
 
@@ -53,7 +53,7 @@ def test_recipe_keys_are_typed_validated_and_unknown_ones_rejected():
 
 
 def test_an_option_switched_off_leaves_the_recipe_hash_unchanged():
-    from spectrain.checkpoint import recipe_hash
+    from spectrain.train.run_dir import recipe_hash
 
     r = recipe_from_dict({})
     d = r.to_dict()

@@ -15,9 +15,9 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from spectrain import resources
 from spectrain.cli import main as cli_main
-from spectrain.recipe import load_recipe
+from spectrain.io import resources
+from spectrain.recipe.load import load_recipe
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -115,7 +115,7 @@ def test_overrides_anywhere_after_the_recipe(monkeypatch):
     args = cli.parse(["train", "tiny/eagle3", "--nproc", "2", "training.max_steps=2"])
     assert args.overrides == ["training.max_steps=2"] and args.nproc == 2
     seen = {}
-    monkeypatch.setattr("spectrain.regenerate.regenerate", lambda recipe, ov, out, cfg: seen.update(ov=ov))
+    monkeypatch.setattr("spectrain.data.regenerate.regenerate", lambda recipe, ov, out, cfg: seen.update(ov=ov))
     assert cli_main(["regenerate", "tiny/eagle3", "--out", "x.jsonl", "data.max_rows=3"]) == 0
     assert seen["ov"] == ["data.max_rows=3"]
 
@@ -164,7 +164,7 @@ def test_wheel_works_outside_the_checkout(tmp_path):
     py = str(tmp_path / "venv" / "bin" / "python")
     # the venv sees this environment's torch, transformers ... (no multi-GB download); spectrain from the wheel
     _run([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", str(wheel)], work, env)
-    where = _run([py, "-c", "import spectrain, spectrain.resources as r; print(spectrain.__file__, r.data_root())"],
+    where = _run([py, "-c", "import spectrain, spectrain.io.resources as r; print(spectrain.__file__, r.data_root())"],
                  work, env)
     assert str(tmp_path / "venv") in where and "_shipped" in where, where
     assert "spectrain 0.1.0" in _run(["spectrain", "--version"], work, env)

@@ -11,11 +11,19 @@ from conftest import make_tiny_target
 from test_features import make_rows as feature_rows
 from test_train import make_rows, tiny_recipe
 
-from spectrain import check
-from spectrain import train as T
-from spectrain.features import main as features_main
-from spectrain.plan import DEFAULT_MFU, DataSize, Shape, drafter_shape, estimate, parse_hardware, plan_lines
-from spectrain.recipe import load_recipe
+from spectrain.data.features import main as features_main
+from spectrain.recipe.load import load_recipe
+from spectrain.train import loop as T
+from spectrain.train import preflight as check
+from spectrain.train.plan import (
+    DEFAULT_MFU,
+    DataSize,
+    Shape,
+    drafter_shape,
+    estimate,
+    parse_hardware,
+    plan_lines,
+)
 
 Usage = namedtuple("Usage", "total used free")
 
@@ -102,12 +110,11 @@ def _ref_tok():
 
 
 def test_prepare_features_refuses_a_full_disk(monkeypatch, tmp_path, capsys):
-    import spectrain.data
-    import spectrain.target
+    import spectrain.data.features
 
     target = make_tiny_target("llama")
-    monkeypatch.setattr(spectrain.target, "load_target", lambda *a, **k: target)
-    monkeypatch.setattr(spectrain.data, "build_dataset", lambda cfg, tok, split, **k: feature_rows(6))
+    monkeypatch.setattr(spectrain.data.features, "load_target", lambda *a, **k: target)
+    monkeypatch.setattr(spectrain.data.features, "build_dataset", lambda cfg, tok, split, **k: feature_rows(6))
     _free(monkeypatch, 1000)
     out = tmp_path / "cache"
     with pytest.raises(ValueError, match="the feature cache needs ~.* but only 0 MiB are free there"):

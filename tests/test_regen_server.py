@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from spectrain import regen_server as rs
-from spectrain import regenerate as rg
 from spectrain.cli import main as cli_main
+from spectrain.data import generate as G
+from spectrain.data import regen_server as rs
+from spectrain.data import regenerate as rg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from openai_server import OpenAIServer  # noqa: E402
@@ -28,7 +29,7 @@ N_ROWS, M = 10, 12
 
 @pytest.fixture(scope="module")
 def target():
-    from spectrain.target import load_target
+    from spectrain.target.model import load_target
 
     return load_target(str(REF))
 
@@ -60,7 +61,7 @@ def test_server_answers_equal_in_process_and_resume_after_an_outage(target, reci
     monkeypatch.setattr(rs, "BACKOFF_S", 0.01)
     ids = [r["id"] for r in _read(Path(str(recipe).replace("recipe.yaml", "rows.jsonl")))]
     local = tmp_path / "local.jsonl"
-    rg.regenerate(str(recipe), [], local, rg.RegenConfig(max_new_tokens=M, batch_size=1))
+    rg.regenerate(str(recipe), [], local, G.RegenConfig(max_new_tokens=M, batch_size=1))
     out = tmp_path / "served.jsonl"
     with OpenAIServer(target, fail_after=4) as srv:  # goes down after 4 answered requests
         assert _cli(recipe, out, srv.url, "--retries", "1") == 1
@@ -112,8 +113,8 @@ def test_chat_template_kwargs_reach_the_template_and_the_request(target, recipe,
     msgs = [{"role": "user", "content": "hi"}]
     old, tok.chat_template = tok.chat_template, thinking
     try:
-        plain = rg._prompt_ids(tok, msgs)
-        off = rg._prompt_ids(tok, msgs, {"enable_thinking": False})
+        plain = G._prompt_ids(tok, msgs)
+        off = G._prompt_ids(tok, msgs, {"enable_thinking": False})
     finally:
         tok.chat_template = old
     assert len(off) > len(plain) and "</think>" in tok.decode(off)

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from spectrain import regenerate as rg
-from spectrain.regenerate import RegenConfig, regenerate
+from spectrain.data import generate as G
+from spectrain.data import regenerate as rg
+from spectrain.data.generate import RegenConfig
+from spectrain.data.regenerate import regenerate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_distributed import build_tiny_assets, write_recipe  # noqa: E402
@@ -56,7 +58,7 @@ def setup(tmp_path_factory) -> dict:
     return {"root": root, "assets": assets, "recipe": write_recipe(root, assets, "regen")}
 
 
-def _run(setup, name: str, recipe=None, overrides=(), **kw) -> tuple[Path, rg.RegenStats]:
+def _run(setup, name: str, recipe=None, overrides=(), **kw) -> tuple[Path, G.RegenStats]:
     out = setup["root"] / "out" / f"{name}.jsonl"
     kw = {"max_new_tokens": M, "batch_size": 3, **kw}
     stats = regenerate(str(recipe or setup["recipe"]), list(overrides), out, RegenConfig(**kw))
@@ -68,16 +70,16 @@ def _rows(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def greedy(setup) -> tuple[Path, rg.RegenStats]:
+def greedy(setup) -> tuple[Path, G.RegenStats]:
     return _run(setup, "greedy")
 
 
 def test_answers_equal_hf_greedy_generate_turn_by_turn(setup, greedy):
-    from spectrain.target import load_target
+    from spectrain.target.model import load_target
 
     out, stats = greedy
     target = load_target(str(setup["assets"]["target"]), dtype="float32", device="cpu")
-    tok, stop = target.tokenizer, sorted(rg.stop_token_ids(target))
+    tok, stop = target.tokenizer, sorted(G.stop_token_ids(target))
     assert tok.eos_token_id in stop
     rows = _rows(out)
     by_id = {r.get("id"): r for r in ROWS}
@@ -120,8 +122,8 @@ def test_skips_are_counted_and_row_ids_kept(greedy):
 def test_output_is_read_back_by_training(setup, greedy):
     from transformers import AutoTokenizer
 
-    from spectrain.data import build_dataset
-    from spectrain.recipe import DataConfig
+    from spectrain.data.dataset import build_dataset
+    from spectrain.recipe.schema import DataConfig
 
     out, _ = greedy
     tok = AutoTokenizer.from_pretrained(setup["assets"]["target"])
@@ -134,7 +136,7 @@ def test_output_is_read_back_by_training(setup, greedy):
 
 
 def test_resume_after_interruption_gives_the_same_file(setup, greedy, monkeypatch):
-    real, calls = rg.regenerate_batch, []
+    real, calls = G.regenerate_batch, []
 
     def dies_on_second_batch(*a, **kw):
         calls.append(1)
@@ -184,13 +186,13 @@ def test_two_ranks_merge_in_input_order(setup, greedy, monkeypatch):
 
 
 def test_generation_stops_at_a_stop_token(setup):
-    from spectrain.target import load_target
+    from spectrain.target.model import load_target
 
     target = load_target(str(setup["assets"]["target"]), dtype="float32", device="cpu")
     prompt = target.tokenizer("<s><|user|>\nrepeat: red<|end|>\n<|assistant|>\n", add_special_tokens=False)["input_ids"]
-    ((free, truncated),) = rg.generate_batch(target, [prompt], [0], M, 0.0, set())
+    ((free, truncated),) = G.generate_batch(target, [prompt], [0], M, 0.0, set())
     assert truncated and len(free) == M
-    ((cut, truncated),) = rg.generate_batch(target, [prompt], [0], M, 0.0, {free[3]})
+    ((cut, truncated),) = G.generate_batch(target, [prompt], [0], M, 0.0, {free[3]})
     assert not truncated and cut == free[: free.index(free[3])]
 
 
@@ -219,12 +221,12 @@ def test_stop_ids_include_the_templates_end_of_turn_token():
 
     tok = make_tokenizer(CHATML, "<|begin_of_text|>")  # a base-model eos that is not the end-of-turn token
     fake = SimpleNamespace(model=SimpleNamespace(), config=SimpleNamespace(eos_token_id=None), tokenizer=tok)
-    assert rg.stop_token_ids(fake) == {tok.convert_tokens_to_ids("<|begin_of_text|>"),
+    assert G.stop_token_ids(fake) == {tok.convert_tokens_to_ids("<|begin_of_text|>"),
                                        tok.convert_tokens_to_ids("<|im_end|>")}
 
 
 def test_empty_answers_skip_or_shorten_rows(setup, monkeypatch):
-    real = rg.generate_batch
+    real = G.generate_batch
 
     def empty_sometimes(target, prompts, seeds, *a):
         # The target "answers" nothing to c5's first turn and to every later turn.
@@ -232,7 +234,7 @@ def test_empty_answers_skip_or_shorten_rows(setup, monkeypatch):
         empty = ["river" in t or t.count("<|assistant|>") > 1 for t in texts]
         return [([], False) if e else r for e, r in zip(empty, real(target, prompts, seeds, *a))]
 
-    monkeypatch.setattr(rg, "generate_batch", empty_sometimes)
+    monkeypatch.setattr(G, "generate_batch", empty_sometimes)
     out, stats = _run(setup, "empty")
     rows = {r["id"]: r for r in _rows(out)}
     assert [m["role"] for m in rows["two-turn"]["messages"]] == ["system", "user", "assistant"]

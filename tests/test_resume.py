@@ -12,7 +12,10 @@ from conftest import make_tiny_target
 from safetensors.torch import load_file
 from test_train import fake, losses, make_rows, tiny_recipe  # noqa: F401  (fake is a fixture)
 
-from spectrain import train as T
+from spectrain import registry
+from spectrain.train import loop as T
+
+REAL_EAGLE3 = registry.FAMILIES["eagle3"]
 
 torch.set_num_threads(1)
 
@@ -36,7 +39,7 @@ def _weights(run_dir):
 @pytest.mark.parametrize("drafter", ["eagle3", "fake-dropout"])
 def test_sigterm_then_resume_is_bitwise_identical(tmp_path, drafter, fake):  # noqa: F811
     if drafter == "eagle3":
-        T.DRAFTERS["eagle3"] = T._lazy_class("spectrain.drafters.eagle3", "Eagle3Drafter")  # the real head (the fixture's monkeypatch restores it afterwards)
+        registry.FAMILIES["eagle3"] = REAL_EAGLE3  # the real head (the fixture's monkeypatch restores the fake afterwards)
     else:
         fake.dropout = 0.3  # consumes the global torch RNG: exactness needs the RNG states restored
     # 20 rows / global batch 4 = 5 steps per epoch, so 9 steps cross an epoch boundary (reshuffle)
@@ -87,7 +90,7 @@ def test_resume_from_a_missing_dir_is_a_clear_error(tmp_path, fake):  # noqa: F8
 def test_atomic_checkpoint_leaves_no_partial_dir(tmp_path, fake, monkeypatch):  # noqa: F811
     """A failed write of step-N removes its temp dir (a killed one is removed by the next start); resume=auto
     picks the previous checkpoint."""
-    from spectrain import checkpoint as ckpt
+    from spectrain.train import checkpoint as ckpt
 
     real = ckpt.save_checkpoint
     calls = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spectrain.roofline import (
+from spectrain.eval.roofline import (
     GPUS,
     Accelerator,
     ModelCost,

@@ -15,11 +15,11 @@ import pytest
 import torch
 from conftest import make_tiny_model, make_tiny_target
 
-import spectrain.acceptance as acceptance
-import spectrain.decoding as dec
-from spectrain.drafters.base import Proposal
+import spectrain.decoding.acceptance as acceptance
+import spectrain.decoding.loop as dec
+from spectrain.decoding.interface import Proposal
+from spectrain.decoding.sampling import Sampler
 from spectrain.drafters.draft_lm import DraftLMDrafter
-from spectrain.sampling import Sampler
 
 torch.set_num_threads(1)
 

@@ -16,8 +16,9 @@ from test_export import make_draft_ckpt
 from test_medusa import make_heads
 
 from spectrain import export as E
-from spectrain.recipe import load_recipe
-from spectrain.serving import ENGINE_FLAGS, FORMAT_ENGINES, engine_problems
+from spectrain.export.serving import ENGINE_FLAGS, FORMAT_ENGINES
+from spectrain.recipe.deploy import engine_problems
+from spectrain.recipe.load import load_recipe
 
 torch.set_num_threads(1)
 

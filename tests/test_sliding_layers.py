@@ -13,12 +13,12 @@ from test_batched_decoding import eagle3, medusa
 from test_decoding import OracleTree, hf_greedy
 from test_sampling_exact import chi_square_pvalue, e2e_counts, e2e_exact
 
-import spectrain.batched as batched
-import spectrain.masks as masks
-from spectrain.decoding import plain_generate, speculative_generate
+import spectrain.decoding.batched as batched
+import spectrain.decoding.masks as masks
+from spectrain.decoding.loop import plain_generate, speculative_generate
 from spectrain.drafters.draft_lm import DraftLMDrafter
 from spectrain.drafters.ngram import NgramDrafter
-from spectrain.target import FrozenTarget
+from spectrain.target.model import FrozenTarget
 
 torch.set_num_threads(1)
 

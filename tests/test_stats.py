@@ -1,11 +1,11 @@
-"""spectrain.stats: bootstrap intervals over prompts, paired differences, target-loop statistics; and the
+"""spectrain.eval.stats: bootstrap intervals over prompts, paired differences, target-loop statistics; and the
 eval record fields built from them."""
 
 from __future__ import annotations
 
 import pytest
 
-from spectrain import stats
+from spectrain.eval import stats
 
 
 def test_ratio_ci_brackets_the_ratio_and_shrinks_with_more_prompts():
@@ -67,9 +67,10 @@ def test_repeated_4grams_and_the_loop_flag():
 
 
 def test_record_carries_intervals_and_loop_columns():
-    from spectrain.decoding import DecodeStats
-    from spectrain.evaluate import DecodeConfig, PromptSet
-    from spectrain.report import interval_table, make_record, summary_table
+    from spectrain.decoding.loop import DecodeStats
+    from spectrain.eval.harness import DecodeConfig
+    from spectrain.eval.prompts import PromptSet
+    from spectrain.eval.report import interval_table, make_record, summary_table
 
     per = [DecodeStats(k=2, attempts=[4, 2], accepts=[2, 1], drafted=8, target_passes=4, emitted=7),
            DecodeStats(k=2, attempts=[6, 4], accepts=[4, 2], drafted=12, target_passes=6, emitted=12)]
@@ -86,9 +87,11 @@ def test_record_carries_intervals_and_loop_columns():
 
 
 def test_speedup_above_tau_is_flagged_and_plot_labels_are_unique(capsys):
-    from spectrain.decoding import DecodeStats
-    from spectrain.evaluate import DecodeConfig, PromptSet
-    from spectrain.report import make_record, plot_labels, summary_table
+    from spectrain.decoding.loop import DecodeStats
+    from spectrain.eval.harness import DecodeConfig
+    from spectrain.eval.plots import plot_labels
+    from spectrain.eval.prompts import PromptSet
+    from spectrain.eval.report import make_record, summary_table
 
     per = [DecodeStats(k=2, attempts=[4, 2], accepts=[2, 1], drafted=8, target_passes=4, emitted=7)]
     res = {"stats": DecodeStats.merge(per), "prompt_stats": per, "tokens": 7, "seconds": 1.0, "outputs": [[1] * 7]}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from spectrain import data as D
+from spectrain.data import chat as D
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,10 +14,10 @@ from test_evaluate import workdir  # noqa: F401  (a fixture: tiny target, recipe
 from test_train import fake, make_rows, tiny_recipe  # noqa: F401  (fake is a fixture)
 from wandb_offline import read_run
 
-from spectrain import train as T
 from spectrain.cli import main as cli_main
-from spectrain.eval_tracking import cell_key, drafter_label, scalars
-from spectrain.tracking import metric_key, split_record
+from spectrain.eval.tracking import cell_key, drafter_label, scalars
+from spectrain.train import loop as T
+from spectrain.train.tracking import metric_key, split_record
 
 torch.set_num_threads(1)
 
@@ -127,7 +127,7 @@ def test_eval_wandb_scalars_join_the_training_group(workdir, tmp_path, offline_w
     argv = ["eval", "--recipe", str(workdir / "recipe.yaml"), "--drafter", "ngram", "--prompts", "heldout",
             "--prompts", str(workdir / "ood.jsonl"), "--n", "1", "--max-new-tokens", "8", "--k", "3",
             "--temperature", "0", "--out", str(run / "eval"), "--report-to", "wandb", "--report-to", "tensorboard"]
-    from spectrain import eval_tracking
+    from spectrain.eval import tracking as eval_tracking
 
     (run / "best").mkdir()
     link, where = eval_tracking.drafter_link(str(run / "best"))

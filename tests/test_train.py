@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -13,8 +14,12 @@ from conftest import make_tiny_target
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from spectrain import train as T
-from spectrain.recipe import recipe_from_dict
+from spectrain import registry
+from spectrain.drafters.losses import sim_tau
+from spectrain.recipe.load import recipe_from_dict
+from spectrain.train import loop as T
+from spectrain.train import metrics as M
+from spectrain.train import schedule as S
 
 torch.set_num_threads(1)
 
@@ -84,11 +89,16 @@ class FakeDrafter(nn.Module):
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(Path(path) / "model.safetensors"))
 
 
+def route_eagle3(monkeypatch, cls) -> None:
+    """drafter.kind=eagle3 builds ``cls`` (its registry record, swapped for this test)."""
+    monkeypatch.setitem(registry.FAMILIES, "eagle3", dataclasses.replace(registry.FAMILIES["eagle3"], head=cls, build=""))
+
+
 @pytest.fixture
 def fake(monkeypatch):
     """Route drafter.kind=eagle3 to FakeDrafter (fresh class attributes per test)."""
     cls = type("Fake", (FakeDrafter,), {"nan_at": set(), "eval_acc": [], "dropout": 0.0})
-    monkeypatch.setitem(T.DRAFTERS, "eagle3", lambda: cls)
+    route_eagle3(monkeypatch, cls)
     return cls
 
 
@@ -101,7 +111,7 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def test_lr_schedules():
-    f = T.lr_factor
+    f = S.lr_factor
     assert [f(s, "cosine", 4, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert f(4, "cosine", 4, 20) == pytest.approx(1.0)
     assert f(12, "cosine", 4, 20) == pytest.approx(0.5)
@@ -112,13 +122,13 @@ def test_lr_schedules():
 
 
 def test_sharding_no_duplicates_and_world_size_invariant():
-    rows = T.epoch_order(37, seed=3, epoch=0)[:8]
-    assert T.epoch_order(37, 3, 0) == T.epoch_order(37, 3, 0)
-    assert T.epoch_order(37, 3, 0) != T.epoch_order(37, 3, 1)  # a fresh shuffle per epoch
+    rows = S.epoch_order(37, seed=3, epoch=0)[:8]
+    assert S.epoch_order(37, 3, 0) == S.epoch_order(37, 3, 0)
+    assert S.epoch_order(37, 3, 0) != S.epoch_order(37, 3, 1)  # a fresh shuffle per epoch
     lengths = [int(x) % 5 for x in rows]
-    one = T.rank_micro_batches(rows, lengths, micro=2, rank=0, world=1)  # 1 process, accumulation 4
-    two = [T.rank_micro_batches(rows, lengths, micro=2, rank=r, world=2) for r in range(2)]
-    four = [T.rank_micro_batches(rows, lengths, micro=2, rank=r, world=4) for r in range(4)]
+    one = S.rank_micro_batches(rows, lengths, micro=2, rank=0, world=1)  # 1 process, accumulation 4
+    two = [S.rank_micro_batches(rows, lengths, micro=2, rank=r, world=2) for r in range(2)]
+    four = [S.rank_micro_batches(rows, lengths, micro=2, rank=r, world=4) for r in range(4)]
     flat2 = [i for mbs in two for mb in mbs for i in mb]
     assert sorted(flat2) == sorted(rows)  # every row once, no duplicates across ranks
     # the same micro-batches exist whatever the world size: DDP == single process with accumulation
@@ -137,9 +147,9 @@ def test_precision_resolution():
 
 
 def test_sim_tau_and_aggregate():
-    assert T.sim_tau([]) == 1.0
-    assert T.sim_tau([0.5, 0.5]) == pytest.approx(1.75)
-    agg = T.aggregate([({"acc_0": 1.0, "acc_1": 0.0}, 1.0), ({"acc_0": 0.5, "acc_1": 1.0}, 3.0)])
+    assert sim_tau([]) == 1.0
+    assert sim_tau([0.5, 0.5]) == pytest.approx(1.75)
+    agg = M.aggregate([({"acc_0": 1.0, "acc_1": 0.0}, 1.0), ({"acc_0": 0.5, "acc_1": 1.0}, 3.0)])
     assert agg["acc_0"] == pytest.approx(0.625) and agg["acc_1"] == pytest.approx(0.75)
     assert agg["sim_tau"] == pytest.approx(1 + 0.625 + 0.625 * 0.75)
 
@@ -147,7 +157,7 @@ def test_sim_tau_and_aggregate():
 def test_registry_errors():
     with pytest.raises(ValueError, match="training-free"):
         T.drafter_class("ngram")
-    with pytest.raises(ValueError, match="cannot be trained yet"):
+    with pytest.raises(ValueError, match="not a drafter family"):
         T.drafter_class("nonsense")
 
 
@@ -156,7 +166,7 @@ def test_registry_errors():
 
 def test_eagle3_run_dir(tmp_path):
     """The real EAGLE-3 head: run dir contents, pruning, last/best, frozen target, loadable best/."""
-    from spectrain.drafters.eagle3 import Eagle3Drafter
+    from spectrain.drafters.eagle3.model import Eagle3Drafter
 
     target = make_tiny_target("llama")
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
@@ -224,7 +234,7 @@ def test_target_param_in_optimizer_is_refused(tmp_path, monkeypatch):
             d.emb.weight.requires_grad_(True)  # ... and un-freezes it: must never reach the optimizer
             return d
 
-    monkeypatch.setitem(T.DRAFTERS, "eagle3", lambda: Leaky)
+    route_eagle3(monkeypatch, Leaky)
     with pytest.raises(AssertionError, match="target parameters would be trained"):
         T.train(tiny_recipe(tmp_path / "run"), target=make_tiny_target("llama"), train_rows=make_rows(24))
 
@@ -251,7 +261,7 @@ def test_saved_best_weights_match_a_state_dict(tmp_path, fake):
 
 def test_offline_features_train_like_online(tmp_path):
     """Same seed, same rows: the loop over the feature cache (fp32) reproduces the online loss sequence."""
-    from spectrain.features import write_feature_cache
+    from spectrain.data.features import write_feature_cache
 
     target = make_tiny_target("llama")
     rows, held = make_rows(16), make_rows(4, seed=1)

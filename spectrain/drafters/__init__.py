@@ -2,48 +2,35 @@
 
 ``load_drafter(spec, target)`` resolves, in order:
 - ``"ngram"`` / ``"ngram:max_n=3,min_n=1,k=8"`` -> prompt-lookup drafter (spectrain/drafters/ngram.py);
-- a directory holding ``drafter_config.json`` with ``"kind": K`` -> ``REGISTRY[K](path, target)``
+- a directory holding ``drafter_config.json`` with ``"kind": K`` -> the ``drafter`` loader of family K
+  (spectrain/registry.py)
   (trained spectrain drafters, e.g. ``eagle3``, ``medusa``);
 - a public EAGLE-3 head directory (speculators / vLLM format, or EAGLE / SGLang ``LlamaForCausalLMEagle3``)
-  -> imported exactly or refused by name (spectrain/drafters/eagle3_import.py);
+  -> imported exactly or refused by name (spectrain/drafters/eagle3/interop.py);
 - anything else -> an HF causal LM directory or hub id used as a separate draft model
   (its tokenizer must match the target's; see draft_lm.check_vocab).
 
-``REGISTRY`` is a plain dict {kind: loader(path, target) -> Drafter}. Families register lazily so
-importing spectrain never imports every drafter's dependencies.
+Families are listed, one record each, in spectrain/registry.py.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 
-from spectrain.drafters.base import DraftContext, Drafter, Proposal, TargetFeatures
+from spectrain import registry
+from spectrain.decoding.interface import DraftContext, Drafter, Proposal, TargetFeatures
+from spectrain.drafters.eagle3.interop import detect
+from spectrain.drafters.ngram import NgramDrafter
+from spectrain.io.integrity import verify
+from spectrain.target.model import looks_local
 
-__all__ = ["REGISTRY", "DraftContext", "Drafter", "Proposal", "TargetFeatures", "load_drafter"]
-
-
-def _lazy(module: str, attr: str = "load") -> Callable:
-    def loader(path, target):
-        return getattr(importlib.import_module(module), attr)(path, target)
-
-    loader.__qualname__ = f"{module}.{attr}"
-    return loader
+__all__ = ["DraftContext", "Drafter", "Proposal", "TargetFeatures", "load_drafter"]
 
 
 def _load_draft_lm(path, target):
-    from spectrain.drafters.draft_lm import DraftLMDrafter
-
-    return DraftLMDrafter.from_pretrained(str(path), target)
-
-
-REGISTRY: dict[str, Callable] = {
-    "eagle3": _lazy("spectrain.drafters.eagle3"),
-    "medusa": _lazy("spectrain.drafters.medusa"),
-    "draft": _load_draft_lm,
-}
+    return registry.resolve(registry.family("draft").drafter)(str(path), target)
 
 
 def load_drafter(spec, target) -> Drafter:
@@ -63,18 +50,12 @@ def load_drafter(spec, target) -> Drafter:
         raise ValueError("load_drafter: the drafter spec is empty (it would load whatever is in the current "
                          "directory): give 'ngram', a trained drafter directory (e.g. runs/NAME/best) or an HF id")
     if spec.split(":", 1)[0].strip() == "ngram":
-        from spectrain.drafters.ngram import NgramDrafter
-
         return NgramDrafter.from_spec(spec)
     path = Path(spec)
-    from spectrain.target import looks_local
-
     if not path.exists() and looks_local(spec):
         raise FileNotFoundError(f"drafter directory not found: {spec} (relative to {Path.cwd()}); give 'ngram', a "
                                 "trained drafter directory (e.g. runs/NAME/best) or an HF draft model")
     if path.is_dir():  # SHA256SUMS written by every checkpoint save and export: refuse damaged weights
-        from spectrain.integrity import verify
-
         verify(path, "drafter", fix="use another checkpoint (e.g. the run's last/ or a step-N/) or re-export it",
                warn_missing=False, required=(path / "drafter_config.json").is_file())  # an HF model dir has none
     cfg_file = path / "drafter_config.json"
@@ -83,13 +64,11 @@ def load_drafter(spec, target) -> Drafter:
             kind = json.loads(cfg_file.read_text()).get("kind")
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
-        if kind not in REGISTRY:
-            raise ValueError(f"{cfg_file} has kind={kind!r}; known drafter kinds: {', '.join(sorted(REGISTRY))}")
-        return _read_errors_named(REGISTRY[kind], path, target)
-    from spectrain.drafters.eagle3_import import detect
-
+        if kind not in registry.FAMILIES:
+            raise ValueError(f"{cfg_file} has kind={kind!r}; known drafter kinds: {', '.join(sorted(registry.FAMILIES))}")
+        return _read_errors_named(registry.resolve(registry.FAMILIES[kind].drafter), path, target)
     if detect(path):
-        return _read_errors_named(_lazy("spectrain.drafters.eagle3_import"), path, target)
+        return _read_errors_named(registry.resolve("spectrain.drafters.eagle3.interop:load"), path, target)
     if path.exists() and not (path / "config.json").is_file():
         raise ValueError(f"{spec!r} holds neither drafter_config.json (a spectrain drafter) nor config.json "
                          "(an HF draft model); give 'ngram', a trained drafter directory or an HF model")

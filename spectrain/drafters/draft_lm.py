@@ -13,7 +13,7 @@ Trees (``tree={"topk": m}``): deterministic top-m children of the root, each ext
 (a chain per branch), so q = one-hot and sampling stays exact.
 
 Training (``DraftStudent``, ``drafter.kind: draft``): the same HF model distilled from the frozen
-target in spectrain.train's loop; see the class docstring. Its run directories are plain HF model
+target in spectrain.train.loop's loop; see the class docstring. Its run directories are plain HF model
 directories plus ``drafter_config.json``, so ``DraftLMDrafter.from_pretrained`` loads them.
 """
 
@@ -27,8 +27,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spectrain.drafters.base import DraftContext, Drafter, Proposal
+from spectrain.decoding import kv_cache
+from spectrain.decoding.interface import DraftContext, Drafter, Proposal
+from spectrain.drafters.draft_lm_batch import BatchedDraftLM
 from spectrain.drafters.head_io import CONFIG_NAME, warn_if_other_target
+from spectrain.drafters.losses import drafter_loss
+from spectrain.io.integrity import seal_head
+from spectrain.recipe.load import check_draft_layers
+from spectrain.target.fingerprint import target_fingerprint
+from spectrain.target.model import gathered
 
 SIM_K = 5  # chain length the simulated-tau proxy assumes (the eval's default k)
 
@@ -104,9 +111,7 @@ class DraftLMDrafter(Drafter):
 
     def _crop(self, n: int) -> None:
         if n < len(self.cached):
-            for layer in self.cache.layers:
-                if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                    layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+            kv_cache.crop(self.cache, n)
             self.cached = self.cached[:n]
 
     def _step(self, ids: list[int]) -> torch.Tensor:
@@ -181,8 +186,6 @@ class DraftLMDrafter(Drafter):
     # batched decoding (spectrain/batched.py): chains share one draft cache (draft_lm_batch.py);
     # trees use one copy of this drafter per row (the Drafter defaults)
     def begin_batch(self, prompts: list[torch.Tensor]) -> None:
-        from spectrain.drafters.draft_lm_batch import BatchedDraftLM
-
         Drafter.begin_batch(self, prompts)
         self._batch, self._tree_mode = BatchedDraftLM(self, len(prompts)), False
 
@@ -235,10 +238,7 @@ def _layers_prefix(target) -> str:
 def layer_subset(target, layers: list[int]) -> nn.Module:
     """A float32 copy of the target keeping only decoder `layers` (plus embeddings, final norm, lm_head).
     Built from the target's own class and config; weights are copied, never shared."""
-    from spectrain.recipe import check_draft_layers
-
     check_draft_layers(f"layers:{','.join(map(str, layers))}", target.num_layers)  # the same check as `check`
-    from spectrain.target import gathered
 
     prefix = _layers_prefix(target)
     pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.(.+)$")
@@ -311,7 +311,7 @@ def chain_metrics(valid: torch.Tensor, agree: torch.Tensor, accept: torch.Tensor
 
 
 class DraftStudent(nn.Module):
-    """A separate HF causal LM distilled from the frozen target (DistillSpec), for spectrain.train.
+    """A separate HF causal LM distilled from the frozen target (DistillSpec), for spectrain.train.loop.
 
     Inits (drafter.draft.init): ``pretrained`` = the weights of drafter.draft.model (hub id or dir);
     ``config`` = its architecture, random weights; ``layers:i,j,...`` = a copy of the target keeping
@@ -344,8 +344,6 @@ class DraftStudent(nn.Module):
 
     @classmethod
     def from_recipe(cls, recipe, target, token_counts: torch.Tensor | None = None) -> DraftStudent:
-        from spectrain.features import target_fingerprint
-
         d = recipe.drafter.draft
         if d.init.startswith("layers:"):
             layers = [int(x) for x in d.init.split(":", 1)[1].split(",")]
@@ -375,7 +373,6 @@ class DraftStudent(nn.Module):
         v = min(student.shape[-1], teacher.shape[-1])  # rows past the shared tokenizer are padding
         student, teacher = student[:, :v], teacher[:, :v]
         ones = torch.ones(student.shape[0], dtype=torch.bool, device=student.device)
-        from spectrain.losses import drafter_loss
 
         labels = ids[:, 1:][valid[:, :-1]]  # hard_ce: the data's next tokens
         loss = drafter_loss(self.config["loss"], student, teacher, labels, ones)
@@ -397,6 +394,10 @@ class DraftStudent(nn.Module):
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(path))
         (path / CONFIG_NAME).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
-        from spectrain.integrity import seal_head
 
         seal_head(path)  # every head spectrain writes carries SHA256SUMS (load_drafter requires it)
+
+
+def load(path, target) -> DraftLMDrafter:
+    """Registry entry: a trained draft model (or any HF causal LM sharing the target's tokenizer)."""
+    return DraftLMDrafter.from_pretrained(str(path), target)

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 
 import torch
 
-from spectrain.batched import _mask, _select_rows, compact_order, gather_slots
-from spectrain.drafters.base import DraftContext, Proposal
+from spectrain.decoding import kv_cache
+from spectrain.decoding.interface import DraftContext, Proposal
+from spectrain.decoding.masks import batch_mask
 
 
 class BatchedDraftLM:
@@ -28,11 +29,11 @@ class BatchedDraftLM:
         self.slot_pos = torch.zeros(n_rows, 0, dtype=torch.long, device=self.dev)
         self.cached: list[list[int]] = [[] for _ in range(n_rows)]
         self.base = [0] * n_rows
-        # what batched._mask needs to know about the model it masks for
+        # what masks.batch_mask needs to know about the model it masks for
         self.like = SimpleNamespace(config=drafter.model.config, dtype=drafter.model.dtype)
 
     def keep_rows(self, idx: list[int]) -> None:
-        self.slot_pos = _select_rows(self.cache, self.slot_pos, idx)
+        self.slot_pos = kv_cache.select_rows(self.cache, self.slot_pos, idx)
         self.cached, self.base = [self.cached[i] for i in idx], [self.base[i] for i in idx]
 
     def _truncate(self, b: int, n: int) -> None:
@@ -50,7 +51,7 @@ class BatchedDraftLM:
         start = torch.tensor([len(c) for c in self.cached], device=self.dev)
         pos = start[:, None] + torch.arange(m, device=self.dev)[None]
         causal = torch.ones(m, m, dtype=torch.bool, device=self.dev).tril().expand(B, m, m)
-        mask = _mask(self.like, self.slot_pos, pos, causal, counts - 1)
+        mask = batch_mask(self.like, self.slot_pos, pos, causal, counts - 1)
         out = self.d.model(ids, position_ids=pos, attention_mask=mask, cache=self.cache, use_cache=True)
         real = torch.arange(m, device=self.dev)[None] < counts[:, None]
         self.slot_pos = torch.cat([self.slot_pos, torch.where(real, pos, -1)], 1)
@@ -89,12 +90,7 @@ class BatchedDraftLM:
             k, dev = ctxs[b].k, ctxs[b].tokens.device
             probs = None if sampler.greedy else torch.stack([q[b] for q in qs[:k]])
             out[b] = Proposal(tokens=tokens[b, :k].to(dev), probs=probs)
-        order = compact_order(self.slot_pos)
-        if order is not None:
-            for layer in self.cache.layers:
-                if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                    layer.keys, layer.values = gather_slots(layer.keys, order), gather_slots(layer.values, order)
-            self.slot_pos = self.slot_pos.gather(1, order)
+        self.slot_pos = kv_cache.compact(self.cache, self.slot_pos)
         return out
 
     def commit(self, accepted: list[list[int] | None]) -> None:

@@ -10,6 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from spectrain.io.integrity import seal_head
+from spectrain.target.fingerprint import same_target, target_fingerprint
+
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -20,7 +23,6 @@ def save_head(path, config: dict, state: dict[str, torch.Tensor]) -> None:
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "kind": config["kind"]})
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    from spectrain.integrity import seal_head
 
     seal_head(path)  # every head spectrain writes carries SHA256SUMS (load_drafter requires it)
 
@@ -66,8 +68,6 @@ def warn_if_other_target(recorded: str | None, target, what: str, recorded_name:
     """Same shapes do not mean same weights: a drafter trained on another build of the target loads fine
     and then accepts almost nothing (decoding stays lossless). The same target name with other weights (a
     rebuilt target) warns; another target name *and* other weights is refused."""
-    from spectrain.features import same_target, target_fingerprint
-
     if same_target(recorded, target) is not False:
         return
     name = str(target.name_or_path)

@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from spectrain.drafters.base import DraftContext, Drafter, Proposal
+from spectrain.decoding.interface import DraftContext, Drafter, Proposal
 from spectrain.drafters.head_io import WEIGHTS_NAME, check_state, read_head_config, save_head
-from spectrain.losses import drafter_loss, overlap, sim_tau
+from spectrain.drafters.losses import drafter_loss, overlap, sim_tau
+from spectrain.target.fingerprint import target_fingerprint
 
 
 class ResidualStack(nn.Module):
@@ -73,8 +74,6 @@ class MedusaHeads(nn.Module):
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def from_recipe(cls, recipe, target, token_counts: torch.Tensor | None = None) -> MedusaHeads:
-        from spectrain.features import target_fingerprint
-
         m = recipe.drafter.medusa
         cfg = {"kind": "medusa", "target": target.name_or_path, "target_hidden_size": target.hidden_size,
                "target_vocab_size": target.vocab_size, "num_heads": m.num_heads,
@@ -279,5 +278,5 @@ def best_tree(logq: list[list[float]], total: int) -> tuple[list[tuple[int, ...]
 
 
 def load(path, target) -> MedusaProposer:
-    """Registry entry (drafters/__init__.py: {"medusa": medusa.load}): decoding-ready Medusa heads."""
+    """Registry entry (spectrain/registry.py): decoding-ready Medusa heads."""
     return MedusaProposer(MedusaHeads.from_pretrained(path, target), target)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from spectrain.drafters.base import DraftContext, Drafter, Proposal
+from spectrain.decoding.interface import DraftContext, Drafter, Proposal
 
 
 class NgramDrafter(Drafter):

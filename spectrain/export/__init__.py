@@ -26,8 +26,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from spectrain.errors import writing
-from spectrain.export.common import FORMAT_KIND, ExportError, read_config, resolve_source
+from spectrain import registry
+from spectrain.eval.harness import parse_tree
+from spectrain.export.common import ExportError, read_config, resolve_source
 from spectrain.export.eagle3 import (
     export_sglang_eagle3,
     export_vllm_eagle3,
@@ -36,28 +37,28 @@ from spectrain.export.eagle3 import (
 )
 from spectrain.export.hf_draft import export_hf_draft, validate_hf_draft
 from spectrain.export.medusa import export_medusa, export_vllm_medusa, validate_medusa, validate_vllm_medusa
-from spectrain.outputs import guard_export
-from spectrain.serving import ENGINE_NAMES, ENGINES, readme_section, resolve_decode, serve_commands
+from spectrain.export.serving import ENGINE_NAMES, ENGINES, readme_section, resolve_decode, serve_commands
+from spectrain.io.errors import writing
+from spectrain.io.integrity import problems
+from spectrain.io.outputs import guard_export
 
-__all__ = ["FORMATS", "ExportError", "add_export_args", "export", "main", "resolve_source", "validate",
+__all__ = ["formats", "ExportError", "add_export_args", "export", "main", "resolve_source", "validate",
            "export_vllm_eagle3", "export_sglang_eagle3", "export_vllm_medusa", "export_medusa",
            "export_hf_draft", "validate_vllm_eagle3", "validate_sglang_eagle3", "validate_vllm_medusa",
            "validate_medusa", "validate_hf_draft"]
 
 
-FORMATS: dict[str, tuple[Callable[..., dict], Callable[..., list[str]]]] = {
-    "vllm-eagle3": (export_vllm_eagle3, validate_vllm_eagle3),
-    "sglang-eagle3": (export_sglang_eagle3, validate_sglang_eagle3),
-    "vllm-medusa": (export_vllm_medusa, validate_vllm_medusa),
-    "medusa": (export_medusa, validate_medusa),
-    "hf-draft": (export_hf_draft, validate_hf_draft),
-}
-
-
 def _format(fmt: str) -> tuple[Callable[..., dict], Callable[..., list[str]]]:
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    return FORMATS[fmt]
+    fam = registry.format_family(fmt)
+    if fam is None:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(formats())}")
+    exporter, validator = fam.exports[fmt]
+    return registry.resolve(exporter), registry.resolve(validator)
+
+
+def formats() -> list[str]:
+    """Every export format of every registered family (spectrain/registry.py)."""
+    return [fmt for fam in registry.FAMILIES.values() for fmt in fam.exports]
 
 
 def export(source, fmt: str, out, target: str | None = None, force: bool = False, k: int | None = None,
@@ -67,7 +68,7 @@ def export(source, fmt: str, out, target: str | None = None, force: bool = False
     src = resolve_source(source)
     exporter = _format(fmt)[0]
     dest = guard_export(src, out, force, target)
-    head = read_config(src, FORMAT_KIND[fmt], fmt)  # a drafter of the wrong kind fails here, naming the format
+    head = read_config(src, registry.format_family(fmt).kind, fmt)  # a drafter of the wrong kind fails here, naming the format
     d = resolve_decode(head, k, tree)
     commands = serve_commands(fmt, head, str(dest), target or head.get("target") or "", d, engines)
     with writing(out, remove=False):  # names --out in a disk-full message (the staged temp dir is removed)
@@ -78,8 +79,6 @@ def export(source, fmt: str, out, target: str | None = None, force: bool = False
 def validate(fmt: str, out) -> list[str]:
     """Problems of ``out`` as a ``fmt`` directory: the wrong kind of directory, files that differ from its
     SHA256SUMS, then the format's own checks ([] = valid)."""
-    from spectrain.integrity import problems
-
     misfit = _misfit(fmt, Path(out))
     return [misfit] if misfit else problems(out) + _format(fmt)[1](Path(out))
 
@@ -100,7 +99,7 @@ def _misfit(fmt: str, out: Path) -> str | None:
     found = ("vllm-eagle3" if cfg.get("speculators_model_type") == "eagle3" else "sglang-eagle3" if "Eagle3" in arch
              else "vllm-medusa" if cfg.get("model_type") == "medusa" else "medusa" if "medusa_num_heads" in cfg
              else "hf-draft" if arch else None)
-    if found in FORMATS and found != fmt and not {found, fmt} <= {"hf-draft"}:
+    if found in formats() and found != fmt and not {found, fmt} <= {"hf-draft"}:
         return f"{out} is a {found} export, not {fmt}: validate it with --format {found}"
     return None
 
@@ -108,7 +107,7 @@ def _misfit(fmt: str, out: Path) -> str | None:
 def add_export_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("source", help="run dir (its best/, else last/) or checkpoint dir with drafter_config.json; "
                                   "with --validate-only: an exported directory")
-    p.add_argument("--format", required=True, choices=list(FORMATS), help="serving format")
+    p.add_argument("--format", required=True, choices=formats(), help="serving format")
     p.add_argument("--out", help="output directory (must not exist unless --force)")
     p.add_argument("--target", help="target model name/path written into the export (default: the one the "
                                     "drafter was trained on); a local directory also lets export check sizes")
@@ -134,7 +133,6 @@ def main(args: argparse.Namespace) -> int:
         return 2 if problems else 0
     if not args.out:
         raise ValueError("--out DIR is required (the directory to write the export to)")
-    from spectrain.evaluate import parse_tree
 
     tree = parse_tree(args.tree) if args.tree else None
     try:

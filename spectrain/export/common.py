@@ -13,13 +13,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from spectrain import registry
 from spectrain.drafters.head_io import CONFIG_NAME, WEIGHTS_NAME
-from spectrain.integrity import seal
-from spectrain.outputs import check_placement, write_marker
+from spectrain.io.integrity import seal
+from spectrain.io.outputs import check_placement, write_marker
 
-FORMAT_KIND = {"vllm-eagle3": "eagle3", "sglang-eagle3": "eagle3", "vllm-medusa": "medusa",
-               "medusa": "medusa", "hf-draft": "draft"}
-KIND_NAMES = {"eagle3": "EAGLE-3 heads", "medusa": "Medusa heads", "draft": "separate draft models"}
 Spec = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, "float" | "int64" | "bool")
 
 
@@ -51,9 +49,9 @@ def read_config(src: Path, kind: str, fmt: str) -> dict:
     cfg = json.loads((src / CONFIG_NAME).read_text())
     have = cfg.get("kind")
     if have != kind:
-        fits = [f for f, k in FORMAT_KIND.items() if k == have]
+        fits = list(registry.FAMILIES[have].exports) if have in registry.FAMILIES else []
         hint = f"use --format {' or '.join(fits)}" if fits else "no export format takes this kind"
-        raise ValueError(f"{src} holds a {have!r} drafter, but --format {fmt} exports {KIND_NAMES[kind]}: {hint}")
+        raise ValueError(f"{src} holds a {have!r} drafter, but --format {fmt} exports {registry.family(kind).title}: {hint}")
     return cfg
 
 

@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from spectrain.drafters.eagle3 import LAYOUT_FLAGS, layout
-from spectrain.drafters.eagle3_import import sort_aux
+from spectrain.drafters.eagle3.layout import LAYOUT_FLAGS, layout, sort_aux
 from spectrain.export.common import (
     WEIGHTS_NAME,
     Spec,
@@ -46,7 +45,7 @@ from spectrain.export.common import (
     target_info,
     write_json,
 )
-from spectrain.serving import engine_problems
+from spectrain.recipe.deploy import engine_problems, sglang_default_capture, to_layer_outputs
 
 SPECULATORS_VERSION = "0.3.0"  # the speculators config layout followed here; vLLM does not read it
 
@@ -75,8 +74,8 @@ def _read_sorted(src: Path, fmt: str) -> tuple[dict, dict[str, torch.Tensor], li
 
 def trtllm_capture(aux: list[int], num_layers: int | None) -> tuple[list[int], list[int] | None]:
     """(TensorRT-LLM eagle3_layers_to_capture this head needs, TensorRT-LLM's default for the target or None)."""
-    need = [a - 1 for a in aux]  # TensorRT-LLM captures layer outputs, spectrain's ids are layer inputs
-    default = [1, num_layers // 2 - 1, num_layers - 4] if num_layers and num_layers > 5 else None
+    need = to_layer_outputs(aux)
+    default = sglang_default_capture(num_layers) if num_layers and num_layers > 5 else None
     return need, default
 
 

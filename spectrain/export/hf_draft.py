@@ -24,6 +24,7 @@ from spectrain.export.common import (
     summary,
     write_json,
 )
+from spectrain.io.integrity import link_inside
 
 HF_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
             "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
@@ -58,8 +59,6 @@ def export_hf_draft(src_dir, out_dir, target_name: str | None = None, *, overwri
 def _copy_inside(f: Path, root: Path, dst: Path) -> None:
     """Copy ``f``'s bytes (never its mode or a link): a symlink is followed only when it stays inside ``root``,
     so a link to a private file elsewhere is refused instead of published in the export."""
-    from spectrain.integrity import link_inside
-
     if f.is_symlink() and not link_inside(f, root):
         raise ValueError(f"{f} is a symbolic link to {os.readlink(f)}, outside {root}: export copies only files "
                          "inside the checkpoint; replace the link with the file itself")

@@ -1,0 +1,203 @@
+"""Batched generation by the frozen target for `spectrain regenerate`: left-padded prompts, one KV cache,
+greedy or sampled with a per-row seed; the settings (``RegenConfig``) and counters (``RegenStats``)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from spectrain.data.regen_server import (
+    REASONING_MODES,
+    _row_seed,
+    apply_reasoning,
+)
+from spectrain.decoding.sampling import Sampler
+from spectrain.decoding.step import resolve_eos
+
+
+@dataclass
+class RegenConfig:
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    seed: int = 0
+    batch_size: int = 8
+    n: int | None = None  # None = every conversation
+    chat_template_kwargs: dict = field(default_factory=dict)  # the recipe's data.chat_template_kwargs + the flag
+    reasoning: str = "keep"  # keep | strip <think>...</think> (spectrain/regen_server.py)
+
+    def validate(self) -> RegenConfig:
+        if self.reasoning not in REASONING_MODES:
+            raise ValueError(f"--reasoning {self.reasoning}: use one of {', '.join(REASONING_MODES)}")
+        for bad, msg in ((self.n is not None and self.n <= 0, f"--n {self.n}: must be > 0 (omit it for all rows)"),
+                         (self.max_new_tokens <= 0, f"--max-new-tokens {self.max_new_tokens}: must be > 0"),
+                         (self.temperature < 0, f"--temperature {self.temperature}: must be >= 0 (0 = greedy)"),
+                         (self.batch_size <= 0, f"--batch-size {self.batch_size}: must be > 0")):
+            if bad:
+                raise ValueError(msg)
+        return self
+
+
+_RANK_COUNTS = ("resumed", "shortened", "answers", "truncated", "tokens", "gen_time_s")
+
+
+@dataclass
+class RegenStats:
+    written: int = 0  # rows in the final file (including resumed ones)
+    resumed: int = 0  # rows found already done in the tmp file
+    skipped: Counter = field(default_factory=Counter)  # reason -> rows not written
+    shortened: int = 0  # rows cut before a later turn (context full / empty answer)
+    answers: int = 0
+    truncated: int = 0  # answers that hit max_new_tokens (kept)
+    tokens: int = 0  # generated tokens, stop tokens included
+    gen_time_s: float = 0.0  # inside generation (tokens/s uses this)
+    wall_s: float = 0.0  # the whole command: loading, templating, generation, files
+    failed: int = 0  # --server: rows with no answer after every retry (not written; a rerun retries them)
+    last_error: str = ""
+
+    def lines(self) -> list[str]:
+        tps = self.tokens / self.gen_time_s if self.gen_time_s > 0 else 0.0
+        failed = f", {self.failed} failed (server: {self.last_error})" if self.failed else ""
+        return [f"regenerate: {self.written} rows written ({self.resumed} from an earlier run), "
+                f"{sum(self.skipped.values())} skipped, {self.shortened} shortened{failed}",
+                f"  answers {self.answers}, truncated at max_new_tokens {self.truncated}, tokens generated "
+                f"{self.tokens} in {self.gen_time_s:.1f}s = {tps:.1f} tokens/s; wall {self.wall_s:.1f}s",
+                *(f"  skipped {n:6d}  {why}" for why, n in self.skipped.most_common())]
+
+
+def stop_token_ids(target) -> set[int]:
+    """The decoder's eos ids plus the token the chat template closes an assistant turn with."""
+    tok, stop = target.tokenizer, set(resolve_eos(target, None))
+    if tok.eos_token_id is not None:
+        stop.add(int(tok.eos_token_id))
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "PROBE"}]
+    try:  # e.g. ChatML targets whose eos is <|endoftext|> end turns with <|im_end|>
+        text = tok.apply_chat_template(probe, tokenize=False)
+        tail = tok(text[text.rindex("PROBE") + 5:], add_special_tokens=False)["input_ids"]
+        if tail and tail[0] in set(tok.all_special_ids) | set(tok.added_tokens_decoder):
+            stop.add(int(tail[0]))
+    except Exception:  # a template that rejects the probe (e.g. requires a system turn): eos only
+        pass
+    return stop
+
+
+def _last_logits(target, ids, attn, pos, cache) -> torch.Tensor:
+    kw = {"attention_mask": attn, "position_ids": pos, getattr(target, "_cache_kw", "past_key_values"): cache,
+          "use_cache": True}
+    if _takes_logits_to_keep(type(target.model)):
+        kw["logits_to_keep"] = 1  # the prefill would otherwise project every prompt position onto the vocab
+    return target.model(ids, **kw).logits[:, -1].float()
+
+
+@functools.cache
+def _takes_logits_to_keep(model_cls: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
+
+
+@torch.no_grad()
+def generate_batch(target, prompts: list[list[int]], seeds: list[int], max_new: int, temperature: float,
+                   stop: set[int]) -> list[tuple[list[int], bool]]:
+    """Left-padded KV-cached decoding -> per prompt (answer ids without the stop token, truncated?)."""
+    from transformers import DynamicCache
+
+    dev, b, n = target.device, len(prompts), max(len(p) for p in prompts)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    ids = torch.full((b, n), pad, dtype=torch.long)
+    attn = torch.zeros((b, n), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, n - len(p):], attn[i, n - len(p):] = torch.tensor(p), 1
+    ids, attn = ids.to(dev), attn.to(dev)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    sampler = Sampler(temperature=temperature)  # the one warp the decoder uses
+    gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
+    cache, out, done, stopped = DynamicCache(), [[] for _ in prompts], [False] * b, [False] * b
+    for _ in range(max_new):
+        logits = _last_logits(target, ids, attn, pos, cache)
+        if sampler.greedy:
+            nxt = logits.argmax(-1).tolist()
+        else:
+            probs = sampler.probs(logits)
+            nxt = [int(torch.multinomial(probs[i], 1, generator=gens[i])) for i in range(b)]
+        for i, t in enumerate(nxt):
+            if done[i]:
+                continue
+            if t in stop:
+                done[i] = stopped[i] = True
+            else:
+                out[i].append(t)
+                done[i] = len(out[i]) >= max_new
+        if all(done):
+            break
+        ids = torch.tensor([[pad if d else t] for t, d in zip(nxt, done)], device=dev)
+        attn = torch.cat([attn, torch.ones((b, 1), dtype=attn.dtype, device=dev)], 1)
+        pos = pos[:, -1:] + 1
+    return [(o, not s) for o, s in zip(out, stopped)]
+
+
+def _prompt_ids(tok, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    # Same path as training: render to text, then encode without adding specials (the template has BOS).
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def regenerate_batch(target, rows: list[dict], cfg: RegenConfig, stop: set[int], stats: RegenStats
+                     ) -> list[dict]:
+    """Answer every assistant turn of `rows`, turn by turn across the batch; a skipped row becomes
+    {"id", "_skipped": reason}."""
+    tok, limit = target.tokenizer, target.max_positions
+    convs: list[list[dict] | str] = [[] for _ in rows]  # a str = the reason the row is skipped
+    todo = [[i for i, m in enumerate(r["messages"]) if m["role"] == "assistant"] for r in rows]
+    for turn in range(max(len(t) for t in todo)):
+        active, prompts = [], []
+        for k, r in enumerate(rows):
+            if isinstance(convs[k], str) or turn >= len(todo[k]):
+                continue
+            done_through = todo[k][turn - 1] + 1 if turn else 0
+            convs[k] += [dict(m) for m in r["messages"][done_through:todo[k][turn]]]
+            why = ""
+            try:
+                ids = _prompt_ids(tok, convs[k], cfg.chat_template_kwargs)
+                if limit is not None and len(ids) > limit - cfg.max_new_tokens:
+                    why = f"prompt longer than max positions ({limit}) - max_new_tokens ({cfg.max_new_tokens})"
+            except Exception as e:  # jinja raises its own types ("roles must alternate" ...)
+                why = f"chat template: {type(e).__name__}: {str(e)[:60]}"
+            if why:
+                _stop_row(convs, todo, k, turn, why, stats)
+                continue
+            active.append(k)
+            prompts.append(ids)
+        if not active:
+            continue
+        t0 = time.perf_counter()
+        seeds = [_row_seed(cfg.seed, rows[k]["id"], turn) for k in active]
+        answers = generate_batch(target, prompts, seeds, cfg.max_new_tokens, cfg.temperature, stop)
+        stats.gen_time_s += time.perf_counter() - t0
+        for k, (ids, truncated) in zip(active, answers):
+            stats.tokens += len(ids) + (not truncated)
+            # Keep every token the target wrote, spaces included, so that training sees its exact text.
+            text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if cfg.reasoning == "strip":
+                text = apply_reasoning(text, "", "strip")
+            if not text.strip():  # training drops rows with an empty turn; end the conversation before it
+                _stop_row(convs, todo, k, turn, "empty answer", stats)
+                continue
+            stats.answers += 1
+            stats.truncated += int(truncated)
+            convs[k].append({"role": "assistant", "content": text})
+    return [{"id": r["id"], "_skipped": c} if isinstance(c, str) else {"id": r["id"], "messages": c}
+            for r, c in zip(rows, convs)]
+
+
+def _stop_row(convs: list, todo: list, k: int, turn: int, why: str, stats: RegenStats) -> None:
+    """First turn: skip the row. Later: keep it through the last answered turn."""
+    if turn == 0:
+        convs[k] = f"first turn: {why}"  # counted when the part files are merged (resumed rows too)
+    else:
+        while convs[k][-1]["role"] != "assistant":
+            convs[k].pop()
+        todo[k] = todo[k][:turn]
+        stats.shortened += 1

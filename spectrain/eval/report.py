@@ -1,0 +1,294 @@
+"""Evaluation reports: report.json, report.md, PNG plots, and optionally wandb.
+
+One record per (drafter, decode config, prompt set). The metric conventions (also written into
+every report):
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from spectrain.eval import stats
+from spectrain.eval.plots import plot_acceptance, plot_batch_sweep, plot_tau
+from spectrain.eval.stats import fmt_ci, fmt_value
+from spectrain.io.resources import VERSION
+
+CONVENTIONS = {
+    "alpha_i": "conditional per-position acceptance: of the times draft position i was verified "
+               "(all earlier positions accepted), the fraction accepted",
+    "tau": "tokens emitted per target forward pass, INCLUDING the bonus/corrected token (plain decoding = 1)",
+    "acceptance_rate": "vLLM style: accepted draft tokens / drafted tokens",
+    "measured_speedup": "speculative tokens/s divided by plain-target tokens/s, same prompts, same run, the two "
+                        "alternating prompt by prompt; with --repeats N the median over the N interleaved repeats "
+                        "of that ratio (tok/s: tokens / the median repeat's seconds); above tau it is flagged",
+    "predicted_speedup": "tau / (1 + k*c), c = one draft step's cost relative to one target pass "
+                         "(k = tree depth for trees)",
+    "95% intervals": "[lo, hi] after tau: percentile bootstrap over prompts (prompts resampled with replacement, "
+                     "the ratio of sums recomputed); after alpha_i: Wilson score interval of the pooled accepts / "
+                     "verifications (it does not collapse at 0 or 1 as the bootstrap does)",
+    "target loops": "target tokens = the plain target's mean output length on the set; rep-4g = share of its "
+                    "output 4-grams that repeat an earlier 4-gram of the same output; LOOPS flags sets where "
+                    f"rep-4g >= {stats.LOOP_FLAG} (a looping target inflates every drafter's acceptance)",
+    "split": "held-out = the recipe's training distribution, never trained on; OOD = another distribution; "
+             "in-domain = a public set whose domain the drafter was trained on (user-declared)",
+}
+__doc__ += "\n" + "\n".join(f"- {k}: {v}" for k, v in CONVENTIONS.items()) + "\n"
+
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _finite(x) -> float | None:
+    return None if x is None or x != x else float(x)  # NaN is not valid JSON
+
+
+def make_record(drafter: str, cfg, ps, res: dict, base: dict, cost_ratio: float | None) -> dict:
+    """Everything about one (drafter, config, prompt set) cell; `res`/`base` are cells from evaluate.run_cells."""
+    s = res["stats"]
+    # Pad to k so every record has alpha_1..alpha_k (None = position never verified).
+    pad = max(cfg.k - len(s.attempts), 0)
+    attempts, accepts = [int(a) for a in s.attempts] + [0] * pad, [int(a) for a in s.accepts] + [0] * pad
+    passes = int(s.target_passes)
+    accepted = sum(accepts)
+    drafted = int(getattr(s, "drafted", 0) or 0)
+    measured_c = _ratio(s.draft_time_s, cfg.k * s.target_time_s)
+    c = cost_ratio if cost_ratio is not None else measured_c
+    tau = _ratio(res["tokens"], passes)
+    rec = {
+        "drafter": drafter, "config": cfg.label, "k": cfg.k, "tree": cfg.tree, "temperature": cfg.temperature,
+        "prompt_set": ps.name, "split": ps.split, "source": ps.source,
+        "n_prompts": len(res["outputs"]), "n_skipped": sum(ps.skipped.values()),
+        "skipped": dict(ps.skipped), "n_truncated": ps.truncated,
+        "emitted_tokens": res["tokens"], "target_passes": passes,
+        "drafted_tokens": drafted, "accepted_tokens": accepted,
+        # Passes on which the drafter proposed at least one token (n-gram: a suffix match); tau falls
+        # short of 1 + sum_i prod_j alpha_j by the passes without a draft.
+        "draft_coverage": _ratio(attempts[0] if attempts else 0, passes),
+        "attempts": attempts, "accepts": accepts,
+        "alpha": [_ratio(a, n) for a, n in zip(accepts, attempts)],
+        "tau": tau, "tau_decoder": _finite(s.tau), "acceptance_rate": _ratio(accepted, drafted),
+        "tokens_per_s": _ratio(res["tokens"], res["seconds"]),
+        "baseline_tokens": base["tokens"], "baseline_tokens_per_s": _ratio(base["tokens"], base["seconds"]),
+        "draft_time_s": float(s.draft_time_s), "target_time_s": float(s.target_time_s),
+        "wall_time_s": res["seconds"], "baseline_wall_time_s": base["seconds"],
+        "c": c, "c_source": "user (--cost-ratio)" if cost_ratio is not None else "measured in this run",
+        "c_measured": measured_c,
+        "predicted_speedup": None if tau is None or c is None else tau / (1 + cfg.k * c),
+    }
+    per = res.get("prompt_stats")  # per-prompt counters -> 95% intervals (spectrain/stats.py)
+    if per:
+        rec.update(stats.decode_intervals([len(o) for o in res["outputs"]], [int(p.target_passes) for p in per],
+                                          [p.accepts for p in per], [p.attempts for p in per],
+                                          [int(getattr(p, "drafted", 0) or 0) for p in per], cfg.k))
+        if res.get("prompt_ids"):
+            rec["per_prompt"]["ids"] = res["prompt_ids"]
+    rec.update(stats.loop_stats(base["outputs"]))  # the target's own outputs on this set, same T
+    rec["measured_speedup"] = (None if not rec["baseline_tokens_per_s"] or rec["tokens_per_s"] is None
+                               else rec["tokens_per_s"] / rec["baseline_tokens_per_s"])
+    paired = _paired_speedups(res, base)
+    if len(paired) > 1:  # --repeats: each repeat's speculative vs plain time, the median of those ratios
+        rec["measured_speedup_repeats"], rec["measured_speedup"] = paired, float(statistics.median(paired))
+    # A pass emits tau tokens and costs at least one plain pass: a measured speedup above tau is timing noise.
+    rec["speedup_above_tau"] = bool(rec["measured_speedup"] is not None and tau is not None
+                                    and rec["measured_speedup"] > tau)
+    if rec["speedup_above_tau"]:
+        print(f"WARNING: {flag_line(rec)}", file=sys.stderr)
+    if cfg.temperature == 0:
+        # Greedy speculative decoding must reproduce plain greedy decoding token for token.
+        same = sum(a == b for a, b in zip(res["outputs"], base["outputs"]))
+        rec["greedy_identical_to_plain"] = f"{same}/{len(res['outputs'])}"
+        if same != len(res["outputs"]):
+            print(f"WARNING: {drafter} {cfg.label} {ps.name}: only {same}/{len(res['outputs'])} greedy outputs "
+                  "equal plain greedy decoding (lossless decoding should give all)", file=sys.stderr)
+    return rec
+
+
+def _paired_speedups(res: dict, base: dict) -> list[float]:
+    """Per repeat: (spec tokens / spec seconds) / (plain tokens / plain seconds), both timed in that repeat."""
+    rs, bs = res.get("rep_seconds") or [], base.get("rep_seconds") or []
+    if len(rs) != len(bs) or not res["tokens"] or not base["tokens"]:
+        return []
+    return [(res["tokens"] / r) / (base["tokens"] / b) for r, b in zip(rs, bs) if r > 0 and b > 0]
+
+
+def _git_sha() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_metadata(args, target_name: str, target, sets, baselines: dict) -> dict:
+    import torch
+    import transformers
+
+
+    return {
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "target": target_name, "target_architecture": type(target.model).__name__,
+        "target_parameters": sum(p.numel() for p in target.model.parameters()),
+        "drafters": args.drafter, "k": args.k, "trees": args.tree, "temperatures": args.temperature,
+        "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+        "n_per_set": args.n, "repeats": getattr(args, "repeats", 1), "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
+        "prompt_sets": [{"name": ps.name, "split": ps.split, "source": ps.source, "n_prompts": ps.n_used, "n_candidates": len(ps.prompts),
+                         "skipped": dict(ps.skipped), "n_truncated": ps.truncated,
+                         "malformed_lines": ps.bad_lines[:50]} for ps in sets],
+        "dropped_sets": getattr(args, "dropped_sets", []),
+        "baselines": [{"temperature": t, "prompt_set": name, "tokens": b["tokens"], "wall_time_s": b["seconds"],
+                       "tokens_per_s": _ratio(b["tokens"], b["seconds"])} for (t, name), b in baselines.items()],
+        "versions": {"spectrain": VERSION, "torch": torch.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+        "git_sha": _git_sha(), "conventions": CONVENTIONS,
+    }
+
+
+# ---- markdown ------------------------------------------------------------------------------------------------
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def flag_line(r: dict) -> str:
+    return (f"{r['drafter']} {r['config']} {r['prompt_set']}: measured speedup {r['measured_speedup']:.2f}x exceeds "
+            f"tau {r['tau']:.2f}, which no speculative decoder reaches (a pass emits tau tokens and costs at least "
+            "one plain pass): the timing is noise (a plain run at a slow moment); rerun with --repeats 3 (interleaved, "
+            "median) or on a quiet machine")
+
+
+def flags(records: list[dict]) -> list[str]:
+    """One line per record whose numbers cannot be right as measured."""
+    return [f"FLAG: {flag_line(r)}" for r in records if r.get("speedup_above_tau")]
+
+
+def _speedup(r: dict) -> str:
+    return f"{fmt_value(r['measured_speedup'])}x{' > tau!' if r.get('speedup_above_tau') else ''}"
+
+
+def _loops(r: dict) -> str:
+    share = r.get("target_repeated_4gram_share")
+    return "-" if share is None else f"{_pct(share)}{' LOOPS' if r.get('target_loops_dominate') else ''}"
+
+
+def interval_table(records: list[dict]) -> str:
+    """alpha_i with its 95% interval, one line per record (the summary table has the point values)."""
+    lines = ["| drafter | config | prompt set | tau [95% CI] | alpha_i [95% CI], i = 1..k |", "|---|---|---|---|---|"]
+    for r in records:
+        alphas = "; ".join(fmt_ci(a, c) for a, c in zip(r["alpha"], r.get("alpha_ci") or [None] * len(r["alpha"])))
+        lines.append(f"| {r['drafter']} | {r['config']} | {r['prompt_set']} | {fmt_ci(r['tau'], r.get('tau_ci'))} "
+                     f"| {alphas} |")
+    return "\n".join(lines)
+
+
+def summary_table(records: list[dict], meta: dict) -> str:
+    head = ("| drafter | config | prompt set | split | n (skipped) | tokens | alpha_1..k | tau [95% CI] | acc. rate "
+            "| drafted passes | tok/s | plain tok/s | speedup | c | predicted | target tokens | target rep-4g |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in records:
+        alphas = " ".join(fmt_value(a) for a in r["alpha"])
+        lines.append(
+            f"| {r['drafter']} | {r['config']} | {r['prompt_set']} | {r['split']} | {r['n_prompts']} "
+            f"({r['n_skipped']}) | {r['emitted_tokens']} | {alphas} | {fmt_ci(r['tau'], r.get('tau_ci'))} "
+            f"| {fmt_value(r['acceptance_rate'])} "
+            f"| {_pct(r['draft_coverage'])} | {fmt_value(r['tokens_per_s'], 1)} | {fmt_value(r['baseline_tokens_per_s'], 1)} | {_speedup(r)} "
+            f"| {fmt_value(r['c'], 3)} | {fmt_value(r['predicted_speedup'])}x | {fmt_value(r.get('target_mean_tokens'), 1)} | {_loops(r)} |")
+    warn = flags(records)
+    return "\n".join(lines + ([""] + warn if warn else []))
+
+
+def write_markdown(path: Path, meta: dict, records: list[dict], plots: list[Path]) -> None:
+    c_note = ("c given by the user (--cost-ratio)" if records and records[0]["c_source"].startswith("user")
+              else "c measured in this run: drafter time / (k x target time), on this machine")
+    md = [f"# spectrain eval: {meta['target']}", "",
+          f"{meta['date_utc']} · {meta['device']} {meta['dtype']} · max_new_tokens={meta['max_new_tokens']} · "
+          f"seed={meta['seed']} · top_p={meta['top_p']} top_k={meta['top_k']} · git {meta['git_sha'] or '-'}", "",
+          f"`{meta['command']}`", "", "Conventions:", ""]
+    md += [f"- **{k}**: {v}" for k, v in CONVENTIONS.items()]
+    md += [f"- **c** here: {c_note}",
+           "- **drafted passes**: target passes on which the drafter proposed >= 1 token; tau = 1 + accepted "
+           "tokens / passes, so passes without a draft pull tau below 1 + sum_i prod_j<=i alpha_j", "", "## Results", "", summary_table(records, meta), "",
+           "### 95% intervals (tau: bootstrap over prompts; alpha_i: Wilson)", "", interval_table(records), ""]
+    greedy = [r for r in records if "greedy_identical_to_plain" in r]
+    if greedy:
+        md += ["Greedy losslessness check (speculative output == plain greedy output, per prompt): "
+               + ", ".join(f"{r['drafter']} {r['config']} {r['prompt_set']}: {r['greedy_identical_to_plain']}"
+                           for r in greedy), ""]
+    md += ["## Plain-target baseline", "", "| T | prompt set | tokens | seconds | tok/s |", "|---|---|---|---|---|"]
+    md += [f"| {b['temperature']:g} | {b['prompt_set']} | {b['tokens']} | {b['wall_time_s']:.2f} | "
+           f"{fmt_value(b['tokens_per_s'], 1)} |" for b in meta["baselines"]]
+    md += ["", "## Prompt sets", "", "| set | split | prompts | skipped | truncated | source |", "|---|---|---|---|---|---|"]
+    for ps in meta["prompt_sets"]:
+        why = "; ".join(f"{n} {r}" for r, n in ps["skipped"].items()) or "0"
+        md.append(f"| {ps['name']} | {ps['split']} | {ps['n_prompts']} | {why} | {ps['n_truncated']} | "
+                  f"{ps['source']} |")
+    md += [f"- dropped from the default mix: **{d['name']}**: {d['reason']}" for d in meta["dropped_sets"]]
+    md += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    path.write_text("\n".join(md) + "\n")
+
+
+# ---- plots -----------------------------------------------------------------------------------------------------
+
+
+# ---- batch-size sweep (spectrain/sweep.py) -----------------------------------------------------------------
+
+
+def sweep_markdown(sw: dict) -> list[str]:
+    """The throughput-vs-batch-size table, the crossovers, and what the prediction assumed."""
+    dep, cpu = sw.get("deployment", {}), sw.get("cpu_peaks", {})
+    md = ["## Batch size: throughput and the crossover", "",
+          f"{sw['rows']} rows ({sw['distinct_prompts']} distinct prompts), {sw['max_new_tokens']} new tokens each, the "
+          "same rows at every batch size; plain = the target alone in the same batched loop. tok/s = tokens over "
+          f"the whole batch per second (median of {sw.get('repeats', 1)} interleaved repeats); latency = mean "
+          "per-row seconds from the start of its batch to its last token. **predicted** = roofline model (README: Batched decoding and the crossover), on this machine "
+          f"({cpu.get('name', '-')}: {fmt_value(cpu.get('bandwidth_GBps'), 1)} GB/s, {fmt_value(cpu.get('TFLOPs'), 3)} TFLOP/s) "
+          f"and for a deployment of this target in bf16 on {dep.get('name', '-')} "
+          f"({fmt_value(dep.get('bandwidth_GBps'), 0)} GB/s, {fmt_value(dep.get('TFLOPs'), 0)} TFLOP/s).", "",
+          "| drafter | config | B | plain tok/s | spec tok/s | **speedup** | latency plain / spec (s) | tau "
+          "| predicted, this machine | predicted, deployment | greedy == plain |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in sw["cells"]:
+        md.append(f"| {c['drafter']} | {c['config']} | {c['batch_size']} | {fmt_value(c['plain_tokens_per_s'], 1)} "
+                  f"| {fmt_value(c['tokens_per_s'], 1)} | **{fmt_value(c['speedup'])}x** | {fmt_value(c['plain_latency_s'])} / "
+                  f"{fmt_value(c['latency_s'])} | {fmt_value(c['tau'])} | {fmt_value(c.get('predicted_cpu'))}x "
+                  f"| {fmt_value(c.get('predicted_deployment'))}x | {c.get('greedy_identical_to_plain', '-')} |")
+    md += ["", "| drafter | config | crossover, measured | predicted, this machine | predicted, deployment |",
+           "|---|---|---|---|---|"]
+
+    def where(b):
+        return "none in range" if b is None else f"B = {b}"
+
+    for x in sw.get("crossover", []):
+        md.append(f"| {x['drafter']} | {x['config']} | {where(x['measured'])} | {where(x['predicted_cpu'])} "
+                  f"| {where(x.get('predicted_deployment'))} |")
+    md += ["", "Crossover = the largest batch size whose speculative throughput still beats plain decoding "
+           f"(measured over B = {', '.join(map(str, sw['batch_sizes']))}; the deployment prediction over B = 1..512)."]
+    return md
+
+
+# ---- all ---------------------------------------------------------------------------------------------------
+
+
+def write_all(out_dir: Path, meta: dict, records: list[dict], batch_sweep: dict | None = None) -> list[Path]:
+    """report.json, report.md and the plots (trackers are logged by the harness once the report has landed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = plot_acceptance(out_dir, records, meta["target"]) + ([plot_tau(out_dir, records, meta["target"])]
+                                                                  if records else [])
+    if batch_sweep is not None:
+        plots.append(plot_batch_sweep(out_dir, batch_sweep, meta["target"]))
+    body = {"meta": meta, "records": records, **({"batch_sweep": batch_sweep} if batch_sweep is not None else {})}
+    (out_dir / "report.json").write_text(json.dumps(body, indent=2, allow_nan=False) + "\n")
+    write_markdown(out_dir / "report.md", meta, records, plots)
+    if batch_sweep is not None:  # its own section, after the per-prompt-set results
+        with open(out_dir / "report.md", "a") as f:
+            f.write("\n" + "\n".join(sweep_markdown(batch_sweep)) + "\n")
+    return [out_dir / "report.json", out_dir / "report.md", *plots]

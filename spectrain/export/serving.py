@@ -1,0 +1,261 @@
+"""The serve command an export implies, and which drafter layouts each serving engine can compute.
+
+Pure facts and string building (no torch): `spectrain export` prints these commands and writes them into
+the export's README.md; `spectrain check` / `train` refuse, through
+``spectrain.recipe.deploy.engine_problems``, a recipe whose
+``deploy.engine`` cannot compute the head it would train.
+
+Decode settings map onto the engines like this (``--k`` / ``--tree`` as ``spectrain eval`` takes them):
+
+| spectrain            | vLLM `--speculative-config`  | SGLang                                                  | TensorRT-LLM `speculative_config`          |
+|----------------------|------------------------------|---------------------------------------------------------|--------------------------------------------|
+| `--k K` (chain)      | `num_speculative_tokens: K`  | `--speculative-num-steps K --speculative-eagle-topk 1 --speculative-num-draft-tokens K+1` | `max_draft_len: K` |
+| `--tree topk=T,depth=D,total=N` (EAGLE-3) | none: vLLM's `speculative_token_tree` is a static tree, spectrain's the EAGLE-2 dynamic one; a chain of D is printed, labelled | `--speculative-num-steps D --speculative-eagle-topk T --speculative-num-draft-tokens N+1` | `max_draft_len: D, use_dynamic_tree: true, dynamic_tree_max_topK: T, max_total_draft_tokens: N` |
+
+SGLang's ``speculative_num_draft_tokens`` counts the verified root token as well (SGLang requires
+num_steps + 1 at topk 1), spectrain's ``total`` counts draft nodes only: hence the + 1.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+
+from spectrain.recipe.deploy import ENGINE_NAMES, ENGINES, NO_MEDUSA, to_layer_outputs
+
+__all__ = ["ENGINES", "ENGINE_NAMES", "ServeCommand", "readme_section", "resolve_decode", "serve_commands"]
+
+_VLLM_DOC = "vLLM docs features/speculative_decoding (`vllm serve MODEL --speculative-config JSON`)"
+_VLLM_CFG = "vllm/config/speculative.py SpeculativeConfig"
+_SGL_DOC = "SGLang docs advanced_features/speculative_decoding and server_args.py"
+_TRT_CFG = "TensorRT-LLM tensorrt_llm/llmapi/llm_args.py (DecodingBaseConfig and its subclasses)"
+# Every flag and config key a printed command uses, with where its name was read. tests/test_serving.py
+# checks each printed command against this table.
+ENGINE_FLAGS: dict[str, dict[str, str]] = {
+    "vllm": {
+        "vllm serve": _VLLM_DOC,
+        "--speculative-config": _VLLM_DOC,
+        "method": f"{_VLLM_CFG}.method (SpeculativeMethod: eagle3, draft_model; medusa in releases before 0.33)",
+        "model": f"{_VLLM_CFG}.model",
+        "num_speculative_tokens": f"{_VLLM_CFG}.num_speculative_tokens",
+    },
+    "sglang": {
+        "python -m sglang.launch_server": _SGL_DOC,
+        "--model-path": _SGL_DOC,
+        "--speculative-algorithm": f"{_SGL_DOC}; SpeculativeAlgorithm: EAGLE, EAGLE3, STANDALONE, NGRAM ... (no Medusa)",
+        "--speculative-draft-model-path": _SGL_DOC,
+        "--speculative-num-steps": _SGL_DOC,
+        "--speculative-eagle-topk": _SGL_DOC,
+        "--speculative-num-draft-tokens": f"{_SGL_DOC} (counts the verified root token: num_steps + 1 at topk 1)",
+    },
+    "trtllm": {
+        "trtllm-serve": "TensorRT-LLM docs (`trtllm-serve MODEL --backend B --extra_llm_api_options FILE.yaml`)",
+        "--backend": "trtllm-serve --backend (pytorch; tensorrt for Medusa, whose config refuses pytorch)",
+        "--extra_llm_api_options": "trtllm-serve option naming the YAML of LLM API arguments",
+        "speculative_config": _TRT_CFG,
+        "decoding_type": f"{_TRT_CFG}: Eagle3, Medusa, DraftTarget",
+        "max_draft_len": f"{_TRT_CFG}.max_draft_len",
+        "speculative_model": f"{_TRT_CFG}.speculative_model",
+        "eagle3_layers_to_capture": f"{_TRT_CFG} EagleDecodingConfig (layer outputs; default {{1, N//2-1, N-4}})",
+        "use_dynamic_tree": f"{_TRT_CFG} EagleDecodingConfig",
+        "dynamic_tree_max_topK": f"{_TRT_CFG} EagleDecodingConfig",
+        "max_total_draft_tokens": f"{_TRT_CFG} EagleDecodingConfig",
+        "num_medusa_heads": f"{_TRT_CFG} MedusaDecodingConfig",
+        "medusa_choices": f"{_TRT_CFG} MedusaDecodingConfig (static tree paths)",
+    },
+}
+
+# export format -> the engines that load it
+FORMAT_ENGINES = {"vllm-eagle3": ("vllm",), "sglang-eagle3": ("sglang", "trtllm"), "vllm-medusa": ("vllm",),
+                  "medusa": ("trtllm",), "hf-draft": ("vllm", "sglang", "trtllm")}
+
+
+@dataclass
+class ServeCommand:
+    engine: str
+    argv: list[str]  # the serve command, one shell word per item
+    config: dict | None = None  # TensorRT-LLM: the YAML written next to the command
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def flags(self) -> dict:
+        """The flag and config names the command uses -> values (for the table check and the tests)."""
+        out: dict = {}
+        words = self.argv
+        for i, w in enumerate(words):
+            if w.startswith("--"):
+                out[w] = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else True
+        spec = out.get("--speculative-config")
+        if isinstance(spec, str):
+            out.update(json.loads(spec))
+        if self.config:
+            out["speculative_config"] = True
+            out.update(self.config["speculative_config"])
+        return out
+
+    def text(self) -> str:
+        """Copy-paste shell: the YAML as a heredoc (TensorRT-LLM), then the command with one flag per line."""
+        lines = []
+        if self.config is not None:
+            lines += [f"cat > {CONFIG_FILE} <<'EOF'", *_yaml(self.config), "EOF"]
+        head, rest = [], list(self.argv)
+        while rest and not rest[0].startswith("--"):
+            head.append(rest.pop(0))
+        parts = [" ".join(shlex.quote(w) if i else w for i, w in enumerate(head))]
+        while rest:
+            flag = rest.pop(0)
+            val = [] if not rest or rest[0].startswith("--") else [shlex.quote(rest.pop(0))]
+            parts.append(" ".join([flag, *val]))
+        return "\n".join(lines + [" \\\n    ".join(parts)])
+
+
+CONFIG_FILE = "spectrain-speculative.yaml"
+
+
+def _yaml(config: dict, indent: str = "") -> list[str]:
+    out = []
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out += [f"{indent}{k}:", *_yaml(v, indent + "  ")]
+        else:
+            out.append(f"{indent}{k}: {json.dumps(v)}")  # JSON scalars and lists are valid YAML
+    return out
+
+
+@dataclass
+class Decode:
+    """What was evaluated: a chain of ``k`` or an EAGLE-2 dynamic tree (``tree``: topk, depth, total_tokens)."""
+    k: int
+    tree: dict | None = None
+
+    @property
+    def label(self) -> str:
+        t = self.tree
+        return f"k={self.k}" if t is None else f"tree topk={t['topk']},depth={t['depth']},total={t['total_tokens']}"
+
+
+def _vllm(method: str, target: str, model_dir: str, k: int) -> ServeCommand:
+    spec = {"method": method, "model": model_dir, "num_speculative_tokens": k}
+    return ServeCommand("vllm", ["vllm", "serve", target, "--speculative-config", json.dumps(spec)])
+
+
+def _sglang(algorithm: str, target: str, model_dir: str, steps: int, topk: int, nodes: int) -> ServeCommand:
+    return ServeCommand("sglang", ["python", "-m", "sglang.launch_server", "--model-path", target,
+                                   "--speculative-algorithm", algorithm, "--speculative-draft-model-path", model_dir,
+                                   "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
+                                   "--speculative-num-draft-tokens", str(nodes + 1)])
+
+
+def _trtllm(backend: str, target: str, spec: dict) -> ServeCommand:
+    return ServeCommand("trtllm", ["trtllm-serve", target, "--backend", backend, "--extra_llm_api_options",
+                                   CONFIG_FILE], config={"speculative_config": spec})
+
+
+def _static_tree_note(engine: str, d: Decode, what: str) -> str:
+    return (f"{ENGINE_NAMES[engine]}: the evaluated {d.label} is a dynamic tree, which {what}; this command serves "
+            f"a chain of {d.k} (evaluate `--k {d.k}` to know what that gives)")
+
+
+def eagle3_commands(engine: str, target: str, model_dir: str, d: Decode, capture: list[int] | None) -> ServeCommand:
+    t = d.tree
+    if engine == "vllm":
+        cmd = _vllm("eagle3", target, model_dir, d.k)
+        if t:
+            cmd.notes.append(_static_tree_note("vllm", d, "vLLM does not implement (its speculative_token_tree "
+                                                          "is a static tree literal)"))
+        return cmd
+    if engine == "sglang":
+        return _sglang("EAGLE3", target, model_dir, d.k, t["topk"] if t else 1, t["total_tokens"] if t else d.k)
+    spec = {"decoding_type": "Eagle3", "max_draft_len": d.k, "speculative_model": model_dir}
+    if capture is not None:
+        spec["eagle3_layers_to_capture"] = capture
+    if t:
+        spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=t["topk"], max_total_draft_tokens=t["total_tokens"])
+    return _trtllm("pytorch", target, spec)
+
+
+def medusa_commands(engine: str, target: str, model_dir: str, d: Decode, num_heads: int) -> ServeCommand:
+    if engine == "vllm":
+        cmd = _vllm("medusa", target, model_dir, d.k)
+        cmd.notes.append(f"{NO_MEDUSA['vllm']}: this command is for the vLLM releases that loaded Medusa (V1 engine "
+                         "from PR #17956, May 2025; see spectrain's README, Export); on vLLM 0.33 serve an EAGLE-3 "
+                         "head instead")
+    else:
+        chain = [[0] * i for i in range(1, d.k + 1)]  # path i = the top-1 token of heads 1..i
+        cmd = _trtllm("tensorrt", target, {"decoding_type": "Medusa", "max_draft_len": d.k,
+                                           "speculative_model": model_dir, "num_medusa_heads": num_heads,
+                                           "medusa_choices": chain})
+    if d.tree:
+        cmd.notes.append(_static_tree_note(engine, d, "a static medusa_choices tree cannot reproduce" if
+                                           engine == "trtllm" else "this Medusa path does not implement"))
+    return cmd
+
+
+def draft_commands(engine: str, target: str, model_dir: str, d: Decode) -> ServeCommand:
+    if engine == "vllm":
+        cmd = _vllm("draft_model", target, model_dir, d.k)
+    elif engine == "sglang":
+        cmd = _sglang("STANDALONE", target, model_dir, d.k, 1, d.k)
+    else:
+        cmd = _trtllm("pytorch", target, {"decoding_type": "DraftTarget", "max_draft_len": d.k,
+                                          "speculative_model": model_dir})
+    if d.tree:
+        cmd.notes.append(_static_tree_note(engine, d, "is spectrain's own draft-model tree (top-m first tokens, "
+                                                      "each extended greedily)"))
+    return cmd
+
+
+def default_k(kind: str, head: dict) -> int:
+    """The draft length an export serves when --k is not given: what the head was trained for."""
+    if kind == "eagle3":
+        return int(head.get("ttt_steps", 3))
+    if kind == "medusa":
+        return int(head.get("num_heads", 3))
+    return 5  # `spectrain eval`'s default
+
+
+def resolve_decode(head: dict, k: int | None = None, tree: dict | None = None) -> Decode:
+    """The decode setting to serve: a tree (k = its depth), else --k, else what the head was trained for."""
+    kind = head.get("kind")
+    k = tree["depth"] if tree is not None else default_k(kind, head) if k is None else k
+    if k < 1:
+        raise ValueError(f"--k must be >= 1, got {k}")
+    if kind == "medusa" and k > int(head.get("num_heads", k)):
+        raise ValueError(f"--k {k} exceeds this Medusa export's {head['num_heads']} heads: use --k <= {head['num_heads']}")
+    return Decode(k, tree)
+
+
+def serve_commands(fmt: str, head: dict, model_dir: str, target: str, d: Decode,
+                   engines: tuple[str, ...] | None = None) -> list[ServeCommand]:
+    """The serve command of each engine that loads ``fmt`` (or just ``engines``) for the decode setting ``d``.
+
+    head: the checkpoint's drafter_config.json; model_dir: where the export lands (absolute); target: what the
+    engine loads as the target model."""
+    kind = head.get("kind")
+    loaders = FORMAT_ENGINES.get(fmt, ())  # () for a format no engine here serves (a family's own format)
+    wanted = loaders if not engines else tuple(e for e in loaders if e in engines)
+    if engines and not wanted:
+        raise ValueError(f"--engine {', '.join(engines)}: the {fmt} format is served by "
+                         f"{', '.join(loaders) or 'no engine spectrain knows'}; pick one of those or another --format")
+    target = target or "TARGET"
+    out = []
+    for engine in wanted:
+        if kind == "eagle3":
+            capture = to_layer_outputs(sorted(head.get("aux_layers") or [])) or None
+            out.append(eagle3_commands(engine, target, model_dir, d, capture))
+        elif kind == "medusa":
+            out.append(medusa_commands(engine, target, model_dir, d, int(head.get("num_heads", d.k))))
+        else:
+            out.append(draft_commands(engine, target, model_dir, d))
+    return out
+
+
+def readme_section(commands: list[ServeCommand], d_label: str) -> str:
+    """The export README's "Serve it" section: one fenced command per engine, with its notes."""
+    md = ["## Serve it", "", f"Speculative settings: {d_label} (spectrain eval's `--k` / `--tree`; the mapping to each "
+          "engine's flags is in spectrain's README, \"Serve it\").", ""]
+    for c in commands:
+        md += [f"### {ENGINE_NAMES[c.engine]}", "", "```bash", c.text(), "```", ""]
+        md += [f"- note: {n}" for n in c.notes] + ([""] if c.notes else [])
+    return "\n".join(md)

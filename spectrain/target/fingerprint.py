@@ -1,0 +1,113 @@
+"""The identity of a target: which model every drafter, checkpoint and feature cache was trained against.
+
+v2 hashes the config and every parameter (bf16-rounded, by name), plus the GGUF file and quantization a
+dequantized target came from; a local target's value is cached by its files' size and mtime. v1 (older
+spectrain) hashed a few rows and is still compared when a recorded value is v1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from spectrain.io.outputs import write_text_safe
+from spectrain.target.model import gathered
+
+FINGERPRINT_PREFIX = "v2-"  # v2: every parameter + the config; older checkpoints / caches hold a v1 value
+_VOLATILE_CONFIG = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation_autoset",
+                    "use_cache", "_commit_hash", "attn_implementation", "_attn_implementation"}
+
+
+def legacy_fingerprint(target) -> str:
+    """v1 (older spectrain): shapes + final norm + the first 64 rows of lm_head and embeddings, bf16-rounded."""
+    h = hashlib.sha256(json.dumps([target.num_layers, target.hidden_size, target.vocab_size]).encode())
+    weights = (target.norm.weight, target.lm_head.weight, target.embed_tokens.weight)
+    with gathered(weights):  # ZeRO-3 keeps only a slice of each weight on a rank
+        full = [w.full_tensor() if hasattr(w, "full_tensor") else w for w in weights]
+        for w in (full[0], full[1][:64], full[2][:64]):
+            h.update(w.detach().to(torch.bfloat16).float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def _config_blob(target) -> bytes:
+    cfg = target.config.to_dict() if hasattr(target.config, "to_dict") else dict(vars(target.config))
+    cfg = {k: v for k, v in cfg.items() if k not in _VOLATILE_CONFIG}
+    return json.dumps(cfg, sort_keys=True, default=str).encode()
+
+
+def _sharded(model) -> bool:
+    return any(hasattr(p, "ds_shape") or hasattr(p, "full_tensor") for p in model.parameters())
+
+
+def _cache_key(target) -> tuple[Path, dict] | None:
+    """Where a local target's fingerprint is cached (the user's cache dir, never the model's own directory),
+    and the size + mtime of its files that must still match. None: not a local directory."""
+    root = Path(str(getattr(target, "load_path", None) or target.name_or_path)).expanduser()  # a GGUF's copy
+    if not root.is_dir():
+        return None
+    files = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(root.iterdir())
+             if f.is_file() and (f.suffix in (".safetensors", ".bin") or f.name == "config.json")}
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spectrain" / "fingerprints"
+    name = str(root.resolve()) + _gguf_blob(target).decode()
+    return base / (hashlib.sha256(name.encode()).hexdigest()[:24] + ".json"), files
+
+
+def _gguf_blob(target) -> bytes:
+    """A dequantized GGUF target: which file and quantization its weights came from (part of its identity)."""
+    gguf = getattr(target, "gguf", None)
+    return json.dumps([gguf["gguf_sha256"], gguf["quant_type"]]).encode() if gguf else b""
+
+
+def _stream_hash(target) -> str:
+    """sha256 over the config and every parameter (by name, bf16-rounded: stable across load dtypes), one
+    tensor at a time (a ZeRO-3 / FSDP shard is gathered for its turn only)."""
+    h = hashlib.sha256(_config_blob(target) + _gguf_blob(target))
+    for name, p in target.model.named_parameters(remove_duplicate=False):
+        with gathered([p]):
+            w = p.full_tensor() if hasattr(p, "full_tensor") else p
+            h.update(name.encode() + json.dumps(list(w.shape)).encode())
+            h.update(w.detach().to(torch.bfloat16).view(torch.int16).cpu().contiguous().numpy().tobytes())
+    return FINGERPRINT_PREFIX + h.hexdigest()[:32]
+
+
+def target_fingerprint(target) -> str:
+    """Identity of a target: its config and every parameter (v2). A local target's value is cached by its
+    files' size and mtime, so a new target costs one pass over its weights and a known one costs nothing."""
+    cached = getattr(target, "_spectrain_fingerprint", None)
+    if cached:
+        return cached
+    key = None if _sharded(target.model) else _cache_key(target)  # sharded: every rank computes (collectives)
+    if key is not None:
+        try:
+            rec = json.loads(key[0].read_text())
+            if rec.get("files") == key[1] and str(rec.get("fingerprint", "")).startswith(FINGERPRINT_PREFIX):
+                target._spectrain_fingerprint = rec["fingerprint"]
+                return rec["fingerprint"]
+        except (OSError, ValueError, AttributeError):
+            pass
+    fp = _stream_hash(target)
+    if key is not None:
+        try:
+            key[0].parent.mkdir(parents=True, exist_ok=True)
+            write_text_safe(key[0], json.dumps({"target": str(target.name_or_path), "files": key[1], "fingerprint": fp}))
+        except OSError:
+            pass  # a read-only cache dir: the value is recomputed next time
+    try:
+        target._spectrain_fingerprint = fp
+    except AttributeError:
+        pass
+    return fp
+
+
+def same_target(recorded: str | None, target) -> bool | None:
+    """Does a recorded fingerprint name this target? None when nothing was recorded. A v1 value (older
+    spectrain) is compared with the v1 fingerprint, so older checkpoints and caches keep working."""
+    if not recorded:
+        return None
+    if str(recorded).startswith(FINGERPRINT_PREFIX):
+        return recorded == target_fingerprint(target)
+    return recorded == legacy_fingerprint(target)

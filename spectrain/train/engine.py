@@ -1,0 +1,171 @@
+"""The distributed side of training: the accelerate ``Accelerator`` (DDP / FSDP / DeepSpeed, CPU or GPU)
+and the frozen target placed to match it (one device, an HF device map, or ZeRO-3 partitions)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from spectrain.target.model import gathered, load_target
+
+
+def resolve_precision(precision: str) -> str:
+    """Recipe precision -> accelerate mixed_precision. auto: bf16 on CUDA with bf16 support, else fp32."""
+    cuda = torch.cuda.is_available()
+    if precision == "auto":
+        return "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
+    if precision == "fp32":
+        return "no"
+    if precision == "fp16" and not cuda:
+        raise ValueError("training.precision=fp16 needs a CUDA device (CPU autocast is bf16 only); "
+                         "use precision=fp32 (or auto) on CPU")
+    return precision
+
+
+def check_trackers(recipe) -> list[str]:
+    """The recipe's wandb / tensorboard trackers, each installed (also run by `spectrain check`)."""
+    import importlib.util
+
+    trackers = [t for t in recipe.tracking.report_to if t in ("wandb", "tensorboard")]
+    for t in trackers:
+        if importlib.util.find_spec(t) is None:
+            raise ValueError(f"tracking.report_to includes {t} but {t} is not installed: "
+                             f"pip install 'spectrain[{t}]' (or drop it from tracking.report_to)")
+    return trackers
+
+
+def resolve_num_threads(requested: int = 0) -> int:
+    """torch CPU threads for this process: the recipe's ``training.num_threads``, else
+    $SPECTRAIN_NUM_THREADS, else $OMP_NUM_THREADS, else the cores this process may run on (its CPU
+    affinity, which containers and `taskset` narrow) split over the ranks on this node. torch's own
+    default counts every core of the host, which oversubscribes a shared or multi-rank machine."""
+    if requested > 0:
+        return requested
+    for var in ("SPECTRAIN_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(var, "").strip()
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"${var}={value!r}: expected a positive integer number of threads")
+            return int(value)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS / Windows: no affinity API
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def make_accelerator(recipe):
+    from accelerate import Accelerator
+
+    # From the launcher's environment: building PartialState here would freeze its device choice
+    # before Accelerator reads ACCELERATE_USE_CPU.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trackers = check_trackers(recipe)
+    handlers = []
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not torch.cuda.is_available():
+        from accelerate.utils import InitProcessGroupKwargs
+
+        # DeepSpeed's CPU accelerator forms a gloo group, but accelerate finds no device backend and
+        # would report world size 1 unless told the backend.
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    acc = Accelerator(
+        kwargs_handlers=handlers,
+        mixed_precision=resolve_precision(recipe.training.precision),
+        gradient_accumulation_steps=recipe.training.grad_accum(world),
+        log_with=trackers or None,
+        project_dir=recipe.output_dir,
+        step_scheduler_with_optimizer=False,  # the schedule is per optimizer step; we step it ourselves
+    )
+    if acc.num_processes != world:
+        # e.g. torchrun on a CPU machine without ACCELERATE_USE_CPU=1: every process would believe it is
+        # alone, train on all the data and overwrite the others' checkpoints.
+        raise ValueError(f"the launcher started {world} processes (WORLD_SIZE) but accelerate formed a group of "
+                         f"{acc.num_processes} ({acc.distributed_type}); on CPU set ACCELERATE_USE_CPU=1, or "
+                         "launch with a matching recipes/accelerate config")
+    _fill_deepspeed_config(acc, recipe.training)
+    if not acc.is_main_process:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one "Loading weights" bar per run, not one per rank
+    return acc
+
+
+def _fill_deepspeed_config(acc, t) -> None:
+    """DeepSpeed reads batch sizes and clipping from its own config; fill its "auto" values from the recipe
+    (the loop has no DataLoader for accelerate to infer them from) and refuse contradicting ones."""
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    cfg = plugin.deepspeed_config
+    want = {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps":
+            acc.gradient_accumulation_steps, "train_batch_size": t.global_batch_size}
+    for key, value in want.items():
+        if cfg.get(key, "auto") == "auto":
+            cfg[key] = value
+        elif int(cfg[key]) != value:
+            raise ValueError(f"the DeepSpeed config sets {key}={cfg[key]} but the recipe implies {value} "
+                             f"(global_batch_size={t.global_batch_size}, micro_batch_size={t.micro_batch_size}, "
+                             f"{acc.num_processes} processes); set it to \"auto\" in the DeepSpeed config")
+    if cfg.get("gradient_clipping", "auto") == "auto":
+        cfg["gradient_clipping"] = t.grad_clip
+
+
+def zero3(acc) -> bool:
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def load_target_for(recipe, acc):
+    tc = recipe.target
+    if tc.device_map and acc.num_processes > 1:
+        raise ValueError(f"target.device_map={tc.device_map!r} spreads one target over every visible GPU, but "
+                         f"{acc.num_processes} processes were launched: train from offline features "
+                         "(`spectrain prepare-features` with device_map, then training.features=offline) or "
+                         "shard the target with ZeRO-3 (recipes/accelerate/zero3.yaml)")
+    return load_target(tc.name_or_path, gguf_file=tc.gguf_file, dtype=tc.dtype, device=None if tc.device_map else acc.device,
+                       device_map=tc.device_map or None, trust_remote_code=tc.trust_remote_code)
+
+
+def shard_target(target) -> None:
+    """ZeRO-3: the frozen target becomes a DeepSpeed inference engine, so each rank keeps 1/N of its weights
+    and every layer is gathered on the fly (its hooks fire on target.model's own submodules, so FrozenTarget's
+    forward, feature taps, embed() and logits_from_last_hidden() work unchanged). No optimizer: not trained."""
+    import deepspeed
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=target.model, config=cfg)
+    target.zero3_engine = engine  # keep it alive: it owns the gather hooks
+
+
+def shard_target_fsdp(target, device_type: str) -> None:
+    """FSDP: shard the frozen target with FSDP2 as well, one unit per decoder layer plus the embeddings,
+    final norm and lm_head (tied ones in one unit), so each rank keeps 1/N of it and FrozenTarget's
+    direct calls (embed, norm + lm_head) gather exactly the weights they use. No optimizer sees it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    for layer in target.layers:
+        fully_shard(layer, mesh=mesh)
+    tied = target.lm_head.weight is target.embed_tokens.weight
+    fully_shard([target.embed_tokens, target.lm_head] if tied else target.embed_tokens, mesh=mesh)
+    if not tied:
+        fully_shard(target.lm_head, mesh=mesh)
+    fully_shard(target.norm, mesh=mesh)
+    fully_shard(target.model, mesh=mesh)  # whatever is left (e.g. extra norms of some architectures)
+
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """True when ZeRO-3 (ds_shape) or FSDP2 (DTensor) holds only a shard of the module's weights here."""
+    return any(hasattr(p, "ds_shape") or hasattr(p, "full_tensor") for p in module.parameters())
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's complete weights on the CPU, gathered from ZeRO-3 / FSDP2 shards (collective: every
+    rank calls it and gets the whole dict; drafters are small enough for that)."""
+    with gathered(module.parameters()):
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+                for k, v in module.state_dict().items()}

@@ -1,0 +1,65 @@
+"""Where a training batch's target features come from: the frozen target run inside the step (online),
+or the offline cache written by ``spectrain prepare-features`` (spectrain.data.features.FeatureCache). Both
+serve ``len``, ``lengths``, ``bind(feature_spec)`` and ``get(indices) -> (batch, feats)``."""
+
+from __future__ import annotations
+
+import torch
+
+from spectrain.data.dataset import collate
+from spectrain.data.features import FeatureCache, _pad_id
+
+
+class OnlineSource:
+    """Tokenised rows + the frozen target: features are computed inside the step, without grad."""
+
+    def __init__(self, rows, target, pad_id: int, device):
+        self.rows, self.target, self.pad_id, self.device = rows, target, pad_id, device
+        self.spec: dict = {}
+        lengths = getattr(rows, "lengths", None)
+        self.lengths = lengths.tolist() if lengths is not None else [len(r["input_ids"]) for r in rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def bind(self, spec: dict) -> None:
+        self.spec = spec
+
+    def token_rows(self, indices: list[int]) -> list[dict]:
+        return [self.rows[i] for i in indices]
+
+    def get(self, indices: list[int]) -> tuple[dict, dict]:
+        batch = {k: v.to(self.device) for k, v in collate(self.token_rows(indices), self.pad_id).items()}
+        return batch, target_features(self.target, batch, self.spec)
+
+
+def target_features(target, batch: dict, spec: dict) -> dict:
+    """The frozen target's features of a collated batch that a drafter's ``feature_spec`` asks for (no grad)."""
+    out = target.forward(batch["input_ids"], batch["attention_mask"], aux_layers=spec.get("aux_layers", ()),
+                         want_last_hidden=spec.get("want_last_hidden", False),
+                         want_final_hidden=spec.get("want_final_hidden", False), want_logits=False)
+    feats = {}
+    if out.aux_hidden:
+        feats["aux"] = torch.cat(out.aux_hidden, -1)
+    if out.last_hidden is not None:
+        feats["last_hidden"] = out.last_hidden
+    if spec.get("want_final_hidden"):
+        feats["final_hidden"] = out.final_hidden
+    return feats
+
+
+def make_sources(recipe, target, train_rows, heldout_rows, device):
+    """(train, heldout) sources with the same interface: len, lengths, bind(spec), get(indices)."""
+    if recipe.training.features == "offline":
+        path = recipe.training.feature_cache
+        if not path:
+            raise ValueError("training.features=offline needs training.feature_cache (the directory written by "
+                             "`spectrain prepare-features RECIPE`)")
+        train = FeatureCache(path, target, recipe, "train", device=device)
+        held = FeatureCache(path, target, recipe, "heldout", device=device) \
+            if "heldout" in train.manifest["splits"] else None
+        return train, held
+
+    pad = _pad_id(target)
+    held = OnlineSource(heldout_rows, target, pad, device) if heldout_rows is not None and len(heldout_rows) else None
+    return OnlineSource(train_rows, target, pad, device), held

@@ -1,0 +1,133 @@
+"""The package's shape as a specification: layered imports without cycles, small modules, few top-level files.
+
+The import graph is read from the source (module-level and function-level imports, not ``if TYPE_CHECKING``
+blocks), so an import hidden inside a function cannot smuggle in a cycle or an upward dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "spectrain"
+
+# Lower layers never import higher ones. Inside one layer, imports are free but acyclic.
+LAYERS = [
+    ["spectrain.registry", "spectrain.io"],
+    ["spectrain.recipe"],
+    ["spectrain.target"],
+    ["spectrain.decoding"],
+    ["spectrain.data"],
+    ["spectrain.drafters"],
+    ["spectrain.train"],
+    ["spectrain.eval"],
+    ["spectrain.export"],
+    ["spectrain.cli", "spectrain.__main__", "spectrain"],
+]
+# Function-level imports of spectrain modules that are allowed, each for its reason.
+LAZY_OK = {
+    "spectrain.cli": "start-up time: `spectrain --help` must not import torch; each command imports what it runs",
+}
+MAX_LINES = 450
+MAX_TOP_MODULES = 5
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        parts = list(p.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+def _targets(mods: dict[str, Path], cur: str, node) -> list[str]:
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = cur.split(".") if mods[cur].name == "__init__.py" else cur.split(".")[:-1]
+        mod = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else [])) if node.level \
+            else node.module or ""
+        names = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names]
+    return [n for n in names if n in mods and n != cur]
+
+
+def _graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    mods = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    lazy: dict[str, set[str]] = {m: set() for m in mods}
+    for m, p in mods.items():
+        tree = ast.parse(p.read_text())
+        skip = {id(n) for top in tree.body if isinstance(top, ast.If) and "TYPE_CHECKING" in ast.unparse(top.test)
+                for n in ast.walk(top)}
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skip:
+                for t in _targets(mods, m, node):
+                    edges[m].add(t)
+                    if id(node) not in top:
+                        lazy[m].add(t)
+    return edges, lazy
+
+
+def _layer(mod: str) -> int:
+    best = None
+    for i, prefixes in enumerate(LAYERS):
+        for pre in prefixes:
+            if mod == pre or mod.startswith(pre + "."):
+                if best is None or len(pre) > best[1]:
+                    best = (i, len(pre))
+    assert best is not None, f"{mod} is in no layer: add it to LAYERS"
+    return best[0]
+
+
+def test_no_import_cycles():
+    edges, _ = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(edges[m]):
+            if t == "spectrain" or m == "spectrain":
+                continue  # the package's lazy front door imports nothing at import time
+            if state.get(t) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(t):] + [t]))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+
+
+def test_imports_only_go_down_the_layers():
+    edges, _ = _graph()
+    up = [f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})" for m in edges for t in edges[m]
+          if _layer(t) > _layer(m)]
+    assert not up, "imports against the layering:\n" + "\n".join(sorted(up))
+
+
+def test_function_level_imports_are_the_listed_few():
+    _, lazy = _graph()
+    hidden = [f"{m}: {sorted(t)}" for m, t in lazy.items() if t and m not in LAZY_OK]
+    assert not hidden, "function-level imports of spectrain modules (move them to the top):\n" + "\n".join(hidden)
+
+
+def test_small_modules_and_a_short_top_level():
+    long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules at spectrain/'s top level: {top}"
+
+
+@pytest.mark.parametrize("folder,what", [("train", "loop.py"), ("decoding", "step.py"), ("drafters", "medusa.py"),
+                                         ("export", "eagle3.py"), ("eval", "harness.py"), ("data", "features.py")])
+def test_the_pipeline_shows_in_the_folders(folder, what):
+    assert (PKG / folder / what).is_file() and (PKG / folder / "__init__.py").read_text().startswith('"""')
