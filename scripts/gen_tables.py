@@ -50,7 +50,6 @@ HANDWRITTEN = {
     "(`trtllm-serve --extra_llm_api_options`) |",
     "| format | loader | what was verified | how |",
     "| rule | test |",
-    "| docs page | what it covers |",
 }
 
 
