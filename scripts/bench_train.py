@@ -15,7 +15,7 @@ one warm-up batch, with the recipe's precision (bf16 autocast on CUDA, fp32 on C
                   + the same draft work: the target forward drops out, the teacher logits are
                   rebuilt from the stored last hidden state with the frozen norm + lm_head;
 - packed:         the same steps with ``training.packing`` (each micro-batch's real tokens in one row,
-                  TTT attention per document: spectrain/packing.py); the padding share is printed;
+                  TTT attention per document: spectrain/data/packing.py); the padding share is printed;
 - per TTT step:   draft forward+backward time of ttt_steps=K minus ttt_steps=1, over K-1.
 
 ``--repeats R`` runs every variant R times, interleaved, and reports each phase's median round.

@@ -59,7 +59,7 @@ SAMPLE_PROMPTS = [
 
 
 def is_heldout(row_id: str) -> bool:
-    """The project-wide held-out rule (spectrain/data.py uses the same): ~5% of ids, by sha1."""
+    """The project-wide held-out rule (spectrain/data/chat.py uses the same): ~5% of ids, by sha1."""
     return int(hashlib.sha1(row_id.encode()).hexdigest()[:8], 16) / 2**32 < 0.05
 
 

@@ -1,4 +1,4 @@
-"""PREDICTED speedup vs batch size, and the crossover, for a deployment (spectrain/roofline.py).
+"""PREDICTED speedup vs batch size, and the crossover, for a deployment (spectrain/eval/roofline.py).
 
     python scripts/predict_crossover.py --report runs/eval-batch-sweep/report.json --target llama-3.1-8b --gpu H100
     python scripts/predict_crossover.py --tau 2.1 --k 5 --drafter eagle3 --target path/to/config.json --gpu H200

@@ -5,7 +5,7 @@
 Single-turn (the first user message; its original answer is kept only as a placeholder the
 regeneration replaces), drawn in a seeded order from every source except the red-teaming
 `hh_rlhf_harmless_test_chosen` rows, with the source mix of the file. Ids are kept, so the held-out
-split (an id hash, spectrain/data.py) selects the same conversations as it does in the full mix.
+split (an id hash, spectrain/data/chat.py) selects the same conversations as it does in the full mix.
 """
 
 from __future__ import annotations

@@ -131,3 +131,20 @@ def test_small_modules_and_a_short_top_level():
                                          ("export", "eagle3.py"), ("eval", "harness.py"), ("data", "features.py")])
 def test_the_pipeline_shows_in_the_folders(folder, what):
     assert (PKG / folder / what).is_file() and (PKG / folder / "__init__.py").read_text().startswith('"""')
+
+
+def test_the_docs_name_every_module_and_only_modules_that_exist():
+    """docs/layout.md lists every module under its folder; every spectrain/....py path that the docs or a
+    docstring / comment names exists (a moved module leaves no stale pointer behind)."""
+    import re
+
+    docs = PKG.parent / "docs"
+    layout = (docs / "layout.md").read_text()
+    for p in PKG.rglob("*.py"):
+        folder = p.parent.relative_to(PKG.parent).as_posix() + "/"
+        section = layout.split(f"### `{folder}`", 1)
+        assert len(section) == 2 and f"- `{p.name}`" in section[1].split("### ", 1)[0], \
+            f"docs/layout.md does not list {folder}{p.name} (add it under its folder)"
+    for page in [PKG.parent / "README.md", *docs.glob("*.md"), *PKG.rglob("*.py")]:
+        for path in set(re.findall(r"spectrain/[a-z_0-9/]+\.py", page.read_text())):
+            assert (PKG.parent / path).is_file(), f"{page.name} names {path}, which does not exist"

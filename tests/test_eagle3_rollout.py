@@ -1,4 +1,4 @@
-"""EAGLE-3 draft-path rollouts (drafter.eagle3.rollout; spectrain/drafters/eagle3_rollout.py)."""
+"""EAGLE-3 draft-path rollouts (drafter.eagle3.rollout; spectrain/drafters/eagle3/rollout.py)."""
 
 from __future__ import annotations
 

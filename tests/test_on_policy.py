@@ -1,4 +1,4 @@
-"""On-policy distillation for the separate draft model (training.on_policy; spectrain/on_policy.py)."""
+"""On-policy distillation for the separate draft model (training.on_policy; spectrain/train/on_policy.py)."""
 
 from __future__ import annotations
 

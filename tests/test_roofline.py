@@ -1,4 +1,4 @@
-"""The roofline prediction (spectrain/roofline.py) and the crossover computation."""
+"""The roofline prediction (spectrain/eval/roofline.py) and the crossover computation."""
 
 from __future__ import annotations
 

@@ -182,7 +182,7 @@ def _e2e_models():
     return make_tiny_target("llama", **kw), make_tiny_model("llama", seed=3, **kw)
 
 
-@pytest.mark.parametrize("batch_size", [None, 8])  # 8: rows share each target pass (spectrain/batched.py)
+@pytest.mark.parametrize("batch_size", [None, 8])  # 8: rows share each target pass (spectrain/decoding/batched.py)
 @pytest.mark.parametrize("tree", [None, {"topk": 2}])
 def test_end_to_end_sampling_is_exact(tree, batch_size):
     target, draft = _e2e_models()

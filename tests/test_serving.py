@@ -1,5 +1,5 @@
 """The serve command `spectrain export` prints and writes into the export's README.md: every flag and config key
-is one of the engines' names (spectrain/serving.py ENGINE_FLAGS, each with its source), and --k / --tree land on
+is one of the engines' names (spectrain/export/serving.py ENGINE_FLAGS, each with its source), and --k / --tree land on
 the right flags. Plus `deploy.engine`: `check` / recipe validation refuse layouts the engine cannot compute."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Models whose layers mix sliding-window and full attention (``config.layer_types``: Gemma 2/3, Qwen2/3
-with ``max_window_layers``, GPT-OSS): every layer type gets its own mask (spectrain/masks.py), so greedy
+with ``max_window_layers``, GPT-OSS): every layer type gets its own mask (spectrain/decoding/masks.py), so greedy
 chains and trees, batch size 1 and batched with rows of different lengths, equal HF ``generate`` far
 beyond the window, and sampling stays exact there."""
 

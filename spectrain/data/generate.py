@@ -28,7 +28,7 @@ class RegenConfig:
     batch_size: int = 8
     n: int | None = None  # None = every conversation
     chat_template_kwargs: dict = field(default_factory=dict)  # the recipe's data.chat_template_kwargs + the flag
-    reasoning: str = "keep"  # keep | strip <think>...</think> (spectrain/regen_server.py)
+    reasoning: str = "keep"  # keep | strip <think>...</think> (spectrain/data/regen_server.py)
 
     def validate(self) -> RegenConfig:
         if self.reasoning not in REASONING_MODES:

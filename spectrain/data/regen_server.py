@@ -3,7 +3,7 @@
     vllm serve meta-llama/Llama-3.1-8B-Instruct --data-parallel-size 8 &        # or sglang.launch_server
     spectrain regenerate eagle3 --server http://127.0.0.1:8000 --concurrency 256 --out data/regen/x.jsonl
 
-The same rows, turn order, skip rules, resume and accounting as the in-process path (spectrain/regenerate.py);
+The same rows, turn order, skip rules, resume and accounting as the in-process path (spectrain/data/regenerate.py);
 only who decodes differs. Stdlib only (urllib + a thread pool): one request per assistant turn, rows answered
 `--concurrency` at a time, spread round-robin over the URLs (e.g. one vLLM per GPU).
 

@@ -19,7 +19,7 @@ to the conversation so far (earlier turns already regenerated), rendered by the 
   into FILE.rank{r}.tmp and rank 0 merges them in input order once every rank's ``.done`` marker exists.
 - ``--server URL[,URL...]``: an OpenAI-compatible server (vLLM, SGLang) answers instead, ``--concurrency`` rows
   at a time, with retries; rows it could not answer are counted as failed and retried by a rerun
-  (spectrain/regen_server.py). ``data.chat_template_kwargs`` / ``--chat-template-kwargs`` (e.g.
+  (spectrain/data/regen_server.py). ``data.chat_template_kwargs`` / ``--chat-template-kwargs`` (e.g.
   ``{"enable_thinking": false}`` for Qwen3) and ``--reasoning keep|strip`` apply to both paths.
 """
 
@@ -125,7 +125,7 @@ def _merge(parts: list[Path], rows: list[dict], out: Path, stats: RegenStats) ->
 
 
 def _check_out(out: Path, recipe=None, part: Path | None = None) -> None:
-    """Placement (spectrain/outputs.py): a new .jsonl file, not in the target's directory, no symlink at it or
+    """Placement (spectrain/io/outputs.py): a new .jsonl file, not in the target's directory, no symlink at it or
     at its temp files; a temp part is resumed only when it carries the .meta.json regenerate wrote beside it."""
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory; give a file path ending in .jsonl")

@@ -1,13 +1,13 @@
 """The exact accept/reject rules of speculative decoding, applied to one verification pass's logits.
 
-Acceptance (DESIGN.md section 4):
+Acceptance (docs/decoding.md, Losslessness):
 - greedy: a node is accepted iff it equals the target argmax; the emitted sequence equals
   ``model.generate(do_sample=False)``;
 - sampling: candidate x ~ q is accepted w.p. min(1, p(x)/q(x)); after a rejection p becomes
   norm(max(0, p - q)); when no candidate of a node survives, the next token is drawn from the current
   p (the residual, or the plain target distribution after a fully accepted path: the bonus token).
   For trees the children of a node are tested in order (multi-candidate recursive rejection); see
-  ``Proposal`` in spectrain/drafters/base.py for what ``probs`` must mean for this to be exact.
+  ``Proposal`` in spectrain/decoding/interface.py for what ``probs`` must mean for this to be exact.
 
 ``accept_chain`` / ``accept_tree`` return (accepted node indices root to leaf, emitted tokens =
 accepted ones + the target's next token, per-depth outcomes for the acceptance statistics).

@@ -3,20 +3,20 @@
 ``speculative_generate(..., batch_size=B)`` lands here. Rows are taken in chunks of B; inside a
 chunk every step runs ONE target forward over ``[B, 1 + n_max]`` tokens (each row's last committed
 token + its drafted nodes, padded to the longest proposal of the step) and each row accepts its own
-number of tokens (ragged acceptance) with the same rules as batch size 1 (spectrain/acceptance.py).
+number of tokens (ragged acceptance) with the same rules as batch size 1 (spectrain/decoding/acceptance.py).
 
 Target cache: one HF ``DynamicCache`` of shape ``[B, heads, S, dim]``. Every step appends the same
 q = 1 + n_max slots to every row; ``slot_pos[b, s]`` is the logical position held by slot s of row
 b, or -1 for a hole (left padding of the prefill, padded nodes, rejected nodes). The attention mask
 is built here as a 4-D ``[B, 1, q, S + q]`` tensor, which HF models take as-is: a query attends to
-its row's valid past slots (sliding-window layers: inside the window, spectrain/masks.py), to its
+its row's valid past slots (sliding-window layers: inside the window, spectrain/decoding/masks.py), to its
 tree ancestors among this step's nodes and to itself. Position ids are explicit per row, so holes
 cost nothing but memory; the cache is compacted (valid slots gathered, left padded) when holes
 outnumber valid slots. Rows that stop (eos or max_new_tokens) leave the batch: their cache rows are
 dropped and the drafter is told (``Drafter.keep_rows``), so nothing is ever re-padded per step.
 
 The per-row invariant is batch size 1's (decoding.py): the valid slots of row b hold ``tokens[:-1]``.
-Drafters see the per-row contract of spectrain/drafters/base.py through ``propose_batch`` (default:
+Drafters see the per-row contract of spectrain/decoding/interface.py through ``propose_batch`` (default:
 one independent copy of the drafter per row; EAGLE-3 chains run all rows in one head forward).
 
 Statistics are per row (one ``DecodeStats`` per output, aggregated with ``DecodeStats.merge`` as

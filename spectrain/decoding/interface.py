@@ -9,7 +9,7 @@ Decoding loop contract (spectrain.decoding.loop.speculative_generate):
    after them (bonus / correction) is not a proposal node: it shows up as the last entry of the
    next ``ctx.tokens``. ``commit`` is called after every ``propose`` (also with ``[]``).
 
-Batched decoding (``batch_size=B``, spectrain/batched.py) calls ``begin_batch(prompts)``, then per
+Batched decoding (``batch_size=B``, spectrain/decoding/batched.py) calls ``begin_batch(prompts)``, then per
 step ``propose_batch(ctxs)`` / ``commit_batch(accepted)`` with one entry per active row (``None`` for a
 row that drafts nothing this step), and ``keep_rows(idx)`` when rows leave the batch. The defaults
 below run an independent shallow copy of the drafter per row (weights shared, per-sequence state

@@ -183,7 +183,7 @@ class DraftLMDrafter(Drafter):
         # Trees were cropped back to the committed prefix in propose; _sync feeds the accepted path.
         self._crop(self._base + len(accepted))
 
-    # batched decoding (spectrain/batched.py): chains share one draft cache (draft_lm_batch.py);
+    # batched decoding (spectrain/decoding/batched.py): chains share one draft cache (draft_lm_batch.py);
     # trees use one copy of this drafter per row (the Drafter defaults)
     def begin_batch(self, prompts: list[torch.Tensor]) -> None:
         Drafter.begin_batch(self, prompts)

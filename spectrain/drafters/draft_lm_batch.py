@@ -1,6 +1,6 @@
 """A separate draft LM for batched decoding: one draft KV cache for all rows, one forward per depth.
 
-Same layout as the target cache in spectrain/batched.py: ``[B, heads, S, dim]`` with ``slot_pos[b, s]``
+Same layout as the target cache in spectrain/decoding/batched.py: ``[B, heads, S, dim]`` with ``slot_pos[b, s]``
 = the position slot s of row b holds, -1 = a hole. ``cached[b]`` lists the ids of row b's valid slots
 (positions 0..n-1). Per step, each row invalidates the slots past the longest prefix it shares with
 its committed tokens (rejected drafts become holes, nothing is re-padded), feeds its new committed

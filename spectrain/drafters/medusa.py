@@ -8,7 +8,7 @@ target's distribution at t = softmax(lm_head(h_t)), which predicts x_{t+1}):
 - KL-family losses train head i at anchor t against p_{t+1+i} (the target's distribution for
   x_{t+2+i}, computed with the true prefix); ``hard_ce`` is Medusa-1: cross-entropy on the data
   token x_{t+2+i};
-- mask: x_{t+2+i} is an attended assistant token (data.py: loss_mask[j] = 1 means position j-1 is
+- mask: x_{t+2+i} is an attended assistant token (data/chat.py: loss_mask[j] = 1 means position j-1 is
   trained to predict x_j) and the anchor t itself is attended.
 
 In decoding the drafter holds h_{L-2} (features lag the tokens by one, see base.py) and the bonus

@@ -3,7 +3,7 @@
     curve = measure_curve(target, batch=1)            # {1: 0.044, 2: 0.049, 4: 0.088, ...} seconds
     best = pick_chain(alphas, draft_step_s, curve)     # the k with the highest expected speedup
 
-The roofline (spectrain/roofline.py) predicts this cost from peak bandwidth and FLOPs; on a CPU it
+The roofline (spectrain/eval/roofline.py) predicts this cost from peak bandwidth and FLOPs; on a CPU it
 misses the small-matrix step (a pass over 4 tokens costs about twice a pass over 1, not the same), so
 settings are chosen from this measured curve instead. A chain of k drafted tokens costs one target
 pass over k + 1 tokens plus k drafter steps; with alpha_i the measured conditional acceptance,

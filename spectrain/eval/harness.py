@@ -7,7 +7,7 @@
 For every (drafter, k or tree, temperature) and every prompt set it runs
 ``spectrain.decoding.loop.speculative_generate`` and, in the same run on the same prompts, the plain
 target (``plain_generate``), then writes report.json, report.md and PNG plots under ``--out``
-(see spectrain/report.py for the metric conventions).
+(see spectrain/eval/report.py for the metric conventions).
 
 Prompt sets are a plain dict (``PROMPT_SETS``): the held-out split of a recipe's training data
 ("held-out") and the shipped public sets in eval/prompts/ ("OOD" unless ``--in-domain`` says the
@@ -150,7 +150,7 @@ def validate_args(args) -> None:
 
 
 def check_out(args) -> None:
-    """--out is checked before any model is loaded (not after all the decoding): see spectrain/outputs.py."""
+    """--out is checked before any model is loaded (not after all the decoding): see spectrain/io/outputs.py."""
     inputs = [("target", args.target), ("recipe", args.recipe)] + [("drafter", d) for d in args.drafter] + \
         [("prompt file", p) for p in (args.prompts or [])]
     args.out = resolve_out(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}",

@@ -83,7 +83,7 @@ def make_record(drafter: str, cfg, ps, res: dict, base: dict, cost_ratio: float 
         "c_measured": measured_c,
         "predicted_speedup": None if tau is None or c is None else tau / (1 + cfg.k * c),
     }
-    per = res.get("prompt_stats")  # per-prompt counters -> 95% intervals (spectrain/stats.py)
+    per = res.get("prompt_stats")  # per-prompt counters -> 95% intervals (spectrain/eval/stats.py)
     if per:
         rec.update(stats.decode_intervals([len(o) for o in res["outputs"]], [int(p.target_passes) for p in per],
                                           [p.accepts for p in per], [p.attempts for p in per],
@@ -239,7 +239,7 @@ def write_markdown(path: Path, meta: dict, records: list[dict], plots: list[Path
 # ---- plots -----------------------------------------------------------------------------------------------------
 
 
-# ---- batch-size sweep (spectrain/sweep.py) -----------------------------------------------------------------
+# ---- batch-size sweep (spectrain/eval/sweep.py) -----------------------------------------------------------------
 
 
 def sweep_markdown(sw: dict) -> list[str]:
@@ -249,7 +249,7 @@ def sweep_markdown(sw: dict) -> list[str]:
           f"{sw['rows']} rows ({sw['distinct_prompts']} distinct prompts), {sw['max_new_tokens']} new tokens each, the "
           "same rows at every batch size; plain = the target alone in the same batched loop. tok/s = tokens over "
           f"the whole batch per second (median of {sw.get('repeats', 1)} interleaved repeats); latency = mean "
-          "per-row seconds from the start of its batch to its last token. **predicted** = roofline model (README: Batched decoding and the crossover), on this machine "
+          "per-row seconds from the start of its batch to its last token. **predicted** = roofline model (docs/batching.md), on this machine "
           f"({cpu.get('name', '-')}: {fmt_value(cpu.get('bandwidth_GBps'), 1)} GB/s, {fmt_value(cpu.get('TFLOPs'), 3)} TFLOP/s) "
           f"and for a deployment of this target in bf16 on {dep.get('name', '-')} "
           f"({fmt_value(dep.get('bandwidth_GBps'), 0)} GB/s, {fmt_value(dep.get('TFLOPs'), 0)} TFLOP/s).", "",

@@ -15,7 +15,7 @@ tau = tokens emitted per verification pass (measured, or E[tau] = 1 + sum_i prod
     speedup(B) = tau * time_target(B, 1) / (time_target(B, t) + forwards * time_draft(B, tokens))
 
 At B = 1 both target passes are memory-bound and equal, so speedup = tau / (1 + k * c) with
-c = time_draft / time_target (DESIGN.md section 3); as B grows the verification pass turns
+c = time_draft / time_target (docs/evaluation.md, Metric conventions); as B grows the verification pass turns
 compute-bound, costs ~t times a plain pass, and the speedup falls towards tau / t < 1. The
 crossover is the largest batch size whose speedup is still > 1. Everything here is a model:
 no kernel launch, scheduling or Python overhead, peak bandwidth and FLOPs.

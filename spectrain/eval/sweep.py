@@ -6,7 +6,7 @@ the same batched loop (``plain_generate(..., batch_size=B)``), so each speedup i
 plain decoding at that batch size. Rows = the run's prompts (all sets, in order), cycled or cut to
 the largest batch size, so every B does the same work. Measured per cell: tokens/s over the batch,
 mean per-row latency, tau. The crossover is the largest B whose speculative throughput still beats
-plain. Beside it, spectrain/roofline.py PREDICTS the speedup (a) on this CPU from its peaks measured
+plain. Beside it, spectrain/eval/roofline.py PREDICTS the speedup (a) on this CPU from its peaks measured
 in the same run, to check the model, and (b) for a deployment (``--gpu``) of this target in bf16.
 """
 

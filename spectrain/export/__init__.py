@@ -15,7 +15,7 @@ place: an invalid export never lands, and ``--force`` replaces an existing direc
 
 The export's README.md and the command's output give the serve command of each engine that loads the
 format, with the speculative settings of ``--k K`` / ``--tree topk=,depth=,total=`` (as ``spectrain eval``
-took them; spectrain/serving.py maps them onto each engine's flags).
+took them; spectrain/export/serving.py maps them onto each engine's flags).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def target_info(name: str, cfg: dict) -> tuple[dict | None, list[str]]:
 
 
 def check_out(src: Path, out: Path, overwrite: bool) -> None:
-    """The placement rules of spectrain/outputs.py: never the source or a directory holding it, never a
+    """The placement rules of spectrain/io/outputs.py: never the source or a directory holding it, never a
     user's or another kind's directory; an existing export only with ``overwrite`` (--force)."""
     check_placement(out, "export", [("source", src)], force=overwrite)
 

@@ -80,7 +80,7 @@ def trtllm_capture(aux: list[int], num_layers: int | None) -> tuple[list[int], l
 
 
 def _sglang_config(cfg: dict, state: dict, aux: list[int], dtype: str, n_layers: int | None):
-    # the same facts `spectrain check` applies to a recipe's deploy.engine (spectrain/serving.py)
+    # the same facts `spectrain check` applies to a recipe's deploy.engine (spectrain/export/serving.py)
     problems = engine_problems("sglang", "eagle3", layout(cfg), bool(cfg.get("layer_types")), cfg["num_layers"], aux)
     if problems:
         raise ValueError(f"sglang-eagle3 (SGLang, TensorRT-LLM) cannot represent this head: {'; '.join(problems)}: "

@@ -179,7 +179,7 @@ def medusa_commands(engine: str, target: str, model_dir: str, d: Decode, num_hea
     if engine == "vllm":
         cmd = _vllm("medusa", target, model_dir, d.k)
         cmd.notes.append(f"{NO_MEDUSA['vllm']}: this command is for the vLLM releases that loaded Medusa (V1 engine "
-                         "from PR #17956, May 2025; see spectrain's README, Export); on vLLM 0.33 serve an EAGLE-3 "
+                         "from PR #17956, May 2025; see spectrain's docs/export.md); on vLLM 0.33 serve an EAGLE-3 "
                          "head instead")
     else:
         chain = [[0] * i for i in range(1, d.k + 1)]  # path i = the top-1 token of heads 1..i
@@ -254,7 +254,7 @@ def serve_commands(fmt: str, head: dict, model_dir: str, target: str, d: Decode,
 def readme_section(commands: list[ServeCommand], d_label: str) -> str:
     """The export README's "Serve it" section: one fenced command per engine, with its notes."""
     md = ["## Serve it", "", f"Speculative settings: {d_label} (spectrain eval's `--k` / `--tree`; the mapping to each "
-          "engine's flags is in spectrain's README, \"Serve it\").", ""]
+          "engine's flags is in spectrain's docs/export.md, \"Serve it\").", ""]
     for c in commands:
         md += [f"### {ENGINE_NAMES[c.engine]}", "", "```bash", c.text(), "```", ""]
         md += [f"- note: {n}" for n in c.notes] + ([""] if c.notes else [])

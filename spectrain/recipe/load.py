@@ -7,7 +7,7 @@
 - ``a.b.c=value`` overrides are converted to the field's annotated type (int, float, bool, str,
   list[int], list[str], Literal choices) and then validated exactly like values from the file.
 - The global batch size is what a recipe states; gradient accumulation is derived from it.
-- A recipe is a file path or the name of a shipped recipe (``tiny/eagle3``; spectrain/resources.py).
+- A recipe is a file path or the name of a shipped recipe (``tiny/eagle3``; spectrain/io/resources.py).
   Relative paths in a user's recipe (target, data files, cache and output dirs) are resolved against
   the current working directory, not the recipe file; in a shipped recipe the input paths (target,
   data files, draft model) point into the installed package, outputs stay in the current directory.

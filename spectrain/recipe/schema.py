@@ -42,7 +42,7 @@ class DataConfig:
 
 @dataclass
 class Eagle3RolloutConfig:
-    """drafter.eagle3.rollout (spectrain/drafters/eagle3_rollout.py): on that fraction of the optimizer steps,
+    """drafter.eagle3.rollout (spectrain/drafters/eagle3/rollout.py): on that fraction of the optimizer steps,
     TTT feeds `anchors` anchors per row the head's own drafts and trains them against the target's
     distribution on those drafted prefixes (one extra target pass per micro-batch)."""
     fraction: float = 0.0  # share of optimizer steps that roll out (0 = off: plain TTT)
@@ -110,7 +110,7 @@ class DrafterConfig:
 
 @dataclass
 class OnPolicyConfig:
-    """training.on_policy (drafter.kind=draft; spectrain/on_policy.py): on that fraction of the optimizer steps
+    """training.on_policy (drafter.kind=draft; spectrain/train/on_policy.py): on that fraction of the optimizer steps
     the batches are the student's own continuations of the training prompts, scored by the target."""
     fraction: float = 0.0  # share of optimizer steps that roll out (0 = off: fixed data only; 1 = every step)
     temperature: float = 1.0  # the student's sampling temperature (0 = greedy)
@@ -160,7 +160,7 @@ class TrainingConfig:
 class TrackingConfig:
     report_to: list[Tracker] = field(default_factory=lambda: ["jsonl"])
     project: str = "spectrain"
-    run_name: str = ""  # "" = the output directory's name (also the wandb group; see spectrain/tracking.py)
+    run_name: str = ""  # "" = the output directory's name (also the wandb group; see spectrain/train/tracking.py)
 
 
 @dataclass
@@ -181,7 +181,7 @@ class DeployConfig:
 
 @dataclass
 class FeaturesConfig:
-    """How `spectrain prepare-features` stores the offline cache (spectrain/features.py)."""
+    """How `spectrain prepare-features` stores the offline cache (spectrain/data/features.py)."""
     dtype: Literal["bf16", "fp32", "fp8"] = "bf16"  # fp8: aux states in float8 e4m3 + one scale per row
     shard_mb: float = 1024.0  # target size of one shard file
     batch_size: int = 8  # rows per target forward

@@ -274,7 +274,7 @@ def load_target(
 ) -> FrozenTarget:
     """Load any HF causal LM (hub id or local dir) frozen, in eval mode, with its tokenizer. A GGUF file
     (a ``.gguf`` path, or a dir / hub repo plus ``gguf_file``) loads its cached dequantized checkpoint
-    (spectrain/gguf_target.py), made on first use."""
+    (spectrain/target/gguf.py), made on first use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
 

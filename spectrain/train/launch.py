@@ -7,7 +7,7 @@ like axolotl / TRL / torchtune do; the child processes see ``SPECTRAIN_LAUNCHED=
 - By default every visible CUDA device trains: on a machine with N > 1 GPUs ``spectrain train RECIPE``
   starts N processes (the shipped ``ddp`` config), unless ``--nproc`` or the recipe's ``launch.nproc``
   says otherwise (``--nproc 1``: one process). One start line says the world size, the gradient
-  accumulation, the optimizer steps and an ETA (an estimate: spectrain/plan.py, ``check --plan``).
+  accumulation, the optimizer steps and an ETA (an estimate: spectrain/train/plan.py, ``check --plan``).
 - NAME is a shipped config (``spectrain recipes`` lists them: ddp, zero2, zero3, fsdp, single,
   cpu_ddp, multinode_ddp) or a path. Without one, N GPUs use the shipped ``ddp`` config. A DeepSpeed
   config without DeepSpeed installed is refused in one line naming ``pip install 'spectrain[deepspeed]'``.

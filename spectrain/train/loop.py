@@ -6,7 +6,7 @@
 Read top to bottom: ``train`` builds the accelerator, the frozen target, the data, the drafter, the
 optimizer and the schedule; then every optimizer step is
 
-    global batch -> this rank's micro-batches (on rollout steps: the hook's rollouts, spectrain/on_policy.py)
+    global batch -> this rank's micro-batches (on rollout steps: the hook's rollouts, spectrain/train/on_policy.py)
     -> target features (no grad) -> drafter loss
     -> backward (accumulated; synced on the last micro-batch) -> clip -> AdamW + schedule
     -> metrics -> held-out eval / checkpoint / preemption check.
@@ -162,7 +162,7 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
 
 
 def _on_policy_hook(recipe, acc, target):
-    """The rollout hook of training.on_policy or drafter.eagle3.rollout (spectrain/on_policy.py), or None."""
+    """The rollout hook of training.on_policy or drafter.eagle3.rollout (spectrain/train/on_policy.py), or None."""
     from accelerate.utils import DistributedType
 
 
@@ -327,7 +327,7 @@ def save(run) -> Path:
 
 def extend(run, saved: dict) -> None:
     """A resume whose training.max_steps / epochs changed the run's length. It may grow (the run goes on);
-    the LR schedule is then the one of the new length, from the resumed step on (README, "Resume")."""
+    the LR schedule is then the one of the new length, from the resumed step on (docs/reliability.md, "Extending a finished run")."""
     old = saved.get("total_steps", run.total)
     if run.total < saved["step"]:
         raise ValueError(f"the recipe now stops at step {run.total} but the checkpoint is at step {saved['step']}: "
@@ -350,7 +350,7 @@ def extend(run, saved: dict) -> None:
 def train(recipe, target=None, train_rows=None, heldout_rows=None,
           on_step: Callable[[Run, dict], None] | None = None) -> dict:
     """Train `recipe`'s drafter; returns a summary. target/rows may be passed in (tests, notebooks).
-    ``output_dir`` is checked and locked first (spectrain/outputs.py): nothing is written before."""
+    ``output_dir`` is checked and locked first (spectrain/io/outputs.py): nothing is written before."""
     with run_dir.claim_run_dir(recipe):
         return _train(recipe, target, train_rows, heldout_rows, on_step)
 

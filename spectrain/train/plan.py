@@ -235,7 +235,7 @@ def plan_lines(recipe, cfg, data: DataSize, hw: Hardware, mfu: float = DEFAULT_M
         f"drafter fwd/bwd {_g(d.train_flops)} ({d.params / 1e6:.1f} M params, {d.trained / 1e6:.1f} M trained)",
         f"  wall time ~{_hours(est.wall_s)}, {hw.gpus * est.wall_s / 3600:.1f} GPU-hours = tokens x FLOPs/token / "
         f"({hw.gpus} x {hw.peak_flops / 1e12:.0f} TFLOP/s x MFU {mfu:.2f}" + (
-            ", measured once on one H200: spectrain/plan.py)" if mfu == DEFAULT_MFU else ", --mfu)"),
+            ", measured once on one H200: spectrain/train/plan.py)" if mfu == DEFAULT_MFU else ", --mfu)"),
         f"  feature cache ({'used: training.features=offline' if offline else 'only if training.features=offline'}): "
         f"~{gib(cache)} ({recipe.features.dtype}, {bpt} B/token), {gib(free_cache)} free at "
         f"{where}; prepare-features ~{_hours(feat_wall)} (the target forward per token)",

@@ -2,7 +2,7 @@
 every check `train` would run that needs only the recipe, the target's config and tokenizer and a data sample
 (the same functions: recipe validation, draft layer ranges, precision, trackers, the feature cache's
 presence ...). A failure is one `FAILED:` line and exit status 2. ``--plan`` adds the cost plan
-(spectrain/plan.py: rows, tokens, steps, wall time, GPU-hours, cache and checkpoint sizes against free disk,
+(spectrain/train/plan.py: rows, tokens, steps, wall time, GPU-hours, cache and checkpoint sizes against free disk,
 memory per GPU) and fails when the cache or the checkpoints cannot fit the disk.
 """
 
@@ -25,7 +25,7 @@ from spectrain.train.run_dir import check_run_dir
 
 
 def _fail(msg: str) -> int:
-    """One line, exit status 2: the same as every other command's expected failures (spectrain/errors.py)."""
+    """One line, exit status 2: the same as every other command's expected failures (spectrain/io/errors.py)."""
     print(f"spectrain check: FAILED: {' '.join(msg.split())}", file=sys.stderr)
     return 2
 
@@ -104,7 +104,7 @@ def add_check_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"also print a cost plan for N GPUs of a kind ({', '.join(GPUS)}), e.g. 8xH100")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
                    help=f"model FLOPs utilisation the plan assumes (default {DEFAULT_MFU}: measured once, one H200 "
-                        "EAGLE-3 run on a 1.24B target; see spectrain/plan.py)")
+                        "EAGLE-3 run on a 1.24B target; see spectrain/train/plan.py)")
     return p
 
 
@@ -146,7 +146,7 @@ def main(recipe_path: str, overrides: list[str], plan: str = "", mfu: float | No
         resolve_precision(r.training.precision)  # the same checks `train` runs before it loads anything
         check_trackers(r)
 
-        check_run_dir(r)  # output_dir: never /, home, an input, a user's directory (spectrain/outputs.py)
+        check_run_dir(r)  # output_dir: never /, home, an input, a user's directory (spectrain/io/outputs.py)
         if r.drafter.kind == "ngram":
             print("note: drafter.kind=ngram is training-free: `spectrain train` refuses it; evaluate it with "
                   "`spectrain eval --drafter ngram`")

@@ -33,7 +33,7 @@ _HASH_EXEMPT = {
     ("data", "cache_dir"), ("tracking",), ("launch",), ("output_dir",),
     # used by `regenerate` and `prepare-features` only (a cache records its own dtype in its manifest)
     ("data", "chat_template_kwargs"), ("features",),
-    # the run's length may grow on resume (an extended run; the schedule rule: README, "Resume")
+    # the run's length may grow on resume (an extended run; the schedule rule: docs/reliability.md, "Extending a finished run")
     ("training", "max_steps"), ("training", "epochs"),
 }
 
@@ -137,7 +137,7 @@ def run_inputs(recipe) -> list[tuple[str, str]]:
 
 
 def check_run_dir(recipe) -> Path:
-    """``output_dir`` placement (spectrain/outputs.py): a new or empty directory, or a spectrain run
+    """``output_dir`` placement (spectrain/io/outputs.py): a new or empty directory, or a spectrain run
     directory; never /, home, an input or a directory holding one, a checkpoint, a user's directory."""
     return check_placement(recipe.output_dir, "run", run_inputs(recipe), option="output_dir")
 

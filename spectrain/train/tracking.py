@@ -10,7 +10,7 @@
 - Bookkeeping (epoch, held-out row count, wall time, how the run ended, world size, accumulation,
   the resolved recipe) goes into the run *config*, not the metric history.
 - The run name is the output directory's name (``tracking.run_name`` overrides it); the wandb group
-  is the same name, so an eval of this run's checkpoints joins it (spectrain/eval_tracking.py).
+  is the same name, so an eval of this run's checkpoints joins it (spectrain/eval/tracking.py).
 - ``RUN_DIR/tracking.json`` records project, name, group and the wandb run id; a resumed run
   (``training.resume_from``) continues the same wandb run.
 

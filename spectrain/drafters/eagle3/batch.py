@@ -3,7 +3,7 @@
 The single-sequence adapter (``Eagle3Proposer`` in eagle3.py) keeps, per layer, the step-0 K/V of
 every committed position. Here those caches are stacked into ``[B, heads, S, dim]`` with
 ``slot_pos[b, s]`` = the position held by slot s of row b, or -1 for a hole (the same layout as the
-target cache in spectrain/batched.py). Per step:
+target cache in spectrain/decoding/batched.py). Per step:
 
 - ingest: each row's new target features (1 + its accepted drafts, ragged) are padded to the
   longest and run in one forward; padded rows become holes;

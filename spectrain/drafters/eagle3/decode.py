@@ -76,7 +76,7 @@ class Eagle3Proposer(Drafter):
         h, logits = m.step(m._emb(emb), hidden, positions, [make(i) for i in range(len(m.layers))])
         return h, logits.float(), new
 
-    # batched decoding (spectrain/batched.py): all rows' head caches in one tensor, see eagle3_batch.py
+    # batched decoding (spectrain/decoding/batched.py): all rows' head caches in one tensor, see eagle3/batch.py
     def begin_batch(self, prompts: list[torch.Tensor]) -> None:
         limit = getattr(self.target.config, "max_position_embeddings", None) or 1 << 62
         if any(w is not None and w < limit for w in self.model.windows):

@@ -9,7 +9,7 @@ distribution at position t, which predicts x_{t+1}):
   position t+i, trained against p_{t+1+i}. It attends to the step-0 keys at anchors 0..t and to
   the step-1..i keys of anchor t only (the "diagonal"), which is exactly what a drafted chain sees
   in decoding: the committed prefix (always built from true target features) plus its own ancestors.
-- Loss masks: token x_{t+2+i} must be an assistant token (data.py: loss_mask[j] = 1 means position
+- Loss masks: token x_{t+2+i} must be an assistant token (data/chat.py: loss_mask[j] = 1 means position
   j-1 is trained to predict x_j) and the target's argmax at t+1+i must lie in the draft vocab.
 
 Parameter names map one-to-one onto the vLLM speculators EAGLE-3 layout (fc.weight,
