@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 from spectrain.train import loop as T  # noqa: E402
 from spectrain.train import schedule as S  # noqa: E402
+from spectrain.train.setup import drafter_class  # noqa: E402
 
 
 def _sync(device) -> None:
@@ -86,7 +87,7 @@ def build(recipe_path: str, overrides: list[str], n_batches: int):
         if len(batches) > n_batches:
             break
     torch.manual_seed(t.seed)
-    drafter = T.drafter_class(recipe.drafter.kind).from_recipe(
+    drafter = drafter_class(recipe.drafter.kind).from_recipe(
         recipe, target, token_frequencies(rows, target.vocab_size)).to(target.device)
     src = T.OnlineSource(rows, target, _pad_id(target), target.device)
     src.bind(drafter.feature_spec())

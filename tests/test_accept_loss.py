@@ -12,6 +12,7 @@ from test_train import make_rows
 
 from spectrain.recipe.load import recipe_from_dict
 from spectrain.train import loop as T
+from spectrain.train.setup import drafter_class
 
 torch.set_num_threads(1)
 
@@ -53,7 +54,7 @@ def _eagle3_metrics(vocab: int):
     rows = make_rows(4)
     from spectrain.data.dataset import token_frequencies
 
-    drafter = T.drafter_class("eagle3").from_recipe(recipe, target, token_frequencies(rows, target.vocab_size))
+    drafter = drafter_class("eagle3").from_recipe(recipe, target, token_frequencies(rows, target.vocab_size))
     src = OnlineSource(rows, target, 0, "cpu")
     src.bind(drafter.feature_spec())
     batch, feats = src.get([0, 1, 2, 3])

@@ -148,3 +148,12 @@ def test_the_docs_name_every_module_and_only_modules_that_exist():
     for page in [PKG.parent / "README.md", *docs.glob("*.md"), *PKG.rglob("*.py")]:
         for path in set(re.findall(r"spectrain/[a-z_0-9/]+\.py", page.read_text())):
             assert (PKG.parent / path).is_file(), f"{page.name} names {path}, which does not exist"
+
+
+def test_the_layout_page_is_generated_from_the_tree():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(PKG.parent / "scripts" / "gen_layout.py"), "--check"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr

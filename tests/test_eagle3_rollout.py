@@ -14,6 +14,7 @@ from test_train import losses, make_rows, tiny_recipe
 from spectrain.drafters.eagle3.rollout import Rollout, first_divergence, verify_nodes
 from spectrain.recipe.load import recipe_from_dict
 from spectrain.train import loop as T
+from spectrain.train.setup import drafter_class
 from spectrain.train.sources import OnlineSource
 
 torch.set_num_threads(1)
@@ -48,7 +49,7 @@ def _head_and_batch():
     rows = make_rows(4)
     from spectrain.data.dataset import token_frequencies
 
-    head = T.drafter_class("eagle3").from_recipe(recipe, target, token_frequencies(rows, target.vocab_size))
+    head = drafter_class("eagle3").from_recipe(recipe, target, token_frequencies(rows, target.vocab_size))
     src = OnlineSource(rows, target, 0, "cpu")
     src.bind(head.feature_spec())
     batch, feats = src.get([0, 1, 2, 3])

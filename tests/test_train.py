@@ -20,6 +20,7 @@ from spectrain.recipe.load import recipe_from_dict
 from spectrain.train import loop as T
 from spectrain.train import metrics as M
 from spectrain.train import schedule as S
+from spectrain.train.setup import drafter_class
 
 torch.set_num_threads(1)
 
@@ -156,9 +157,9 @@ def test_sim_tau_and_aggregate():
 
 def test_registry_errors():
     with pytest.raises(ValueError, match="training-free"):
-        T.drafter_class("ngram")
+        drafter_class("ngram")
     with pytest.raises(ValueError, match="not a drafter family"):
-        T.drafter_class("nonsense")
+        drafter_class("nonsense")
 
 
 # ---- end to end on a tiny random target -----------------------------------------------------------------

@@ -151,7 +151,6 @@ def _load_target(recipe, world: int):
     """The frozen target, after checking (from the tokenizer alone) that it can build prompts."""
     from transformers import AutoTokenizer
 
-
     t = recipe.target
     src = resolve_target_path(t.name_or_path, t.gguf_file)
     tok = AutoTokenizer.from_pretrained(src, trust_remote_code=t.trust_remote_code)

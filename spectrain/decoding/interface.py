@@ -41,7 +41,6 @@ import torch
 if TYPE_CHECKING:  # annotations only: the sampler module itself checks arguments against this interface
     from spectrain.decoding.sampling import Sampler
 
-
 @dataclass
 class TargetFeatures:
     start: int  # index in ctx.tokens of the first row below

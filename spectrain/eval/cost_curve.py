@@ -33,7 +33,6 @@ def measure_curve(target, batch: int = 1, context: int = 200, tokens=TOKENS, rep
     """Median seconds of one target pass over t new tokens per row (B rows, `context` cached tokens)."""
     from transformers import DynamicCache
 
-
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, target.vocab_size, (batch, context + max(tokens)), generator=g).to(target.device)
     cache = DynamicCache()

@@ -239,7 +239,6 @@ def _configs(args, drafter) -> list[DecodeConfig]:
 def main(args) -> int:
     from tqdm.auto import tqdm
 
-
     validate_args(args)
     recipe = None
     if args.recipe:

@@ -131,7 +131,6 @@ def run_metadata(args, target_name: str, target, sets, baselines: dict) -> dict:
     import torch
     import transformers
 
-
     return {
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),

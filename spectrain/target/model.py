@@ -277,7 +277,6 @@ def load_target(
     (spectrain/target/gguf.py), made on first use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     shown, name_or_path = str(name_or_path), resolve_target_path(str(name_or_path), gguf_file)

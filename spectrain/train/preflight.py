@@ -34,7 +34,6 @@ def _check_target(r: Recipe):
     """Config + tokenizer (no weights) and their consistency with the recipe. Returns (config, tok)."""
     from transformers import AutoConfig, AutoTokenizer
 
-
     src, trc = r.target.name_or_path, r.target.trust_remote_code
     if split_gguf(src, r.target.gguf_file):  # dequantized once (cached); config + tokenizer come from the copy
         src = resolve_target_path(src, r.target.gguf_file)
