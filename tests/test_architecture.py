@@ -30,6 +30,19 @@ LAYERS = [
 LAZY_OK = {
     "spectrain.cli": "start-up time: `spectrain --help` must not import torch; each command imports what it runs",
 }
+# Function-level imports of other packages: optional or heavy dependencies only, each with its reason.
+LAZY_THIRD_PARTY = {
+    "deepspeed": "optional (`pip install spectrain[deepspeed]`); only ZeRO runs need it",
+    "gguf": "optional (`spectrain[gguf]`); only GGUF targets need it",
+    "wandb": "optional tracker",
+    "torch.utils.tensorboard": "optional tracker (needs the tensorboard package)",
+    "matplotlib": "heavy to import; only a report's PNG plots need it",
+    "datasets": "optional: only a hub or saved HF dataset as training data",
+    "huggingface_hub": "only a hub-hosted GGUF target",
+}
+# io/ (and the package front door) stay importable without torch, so `spectrain --help` starts fast
+TORCH_FREE = {"spectrain.io"}  # packages
+TORCH_FREE_MODULES = {"spectrain", "spectrain.cli"}
 MAX_LINES = 450
 MAX_TOP_MODULES = 5
 
@@ -118,6 +131,25 @@ def test_function_level_imports_are_the_listed_few():
     _, lazy = _graph()
     hidden = [f"{m}: {sorted(t)}" for m, t in lazy.items() if t and m not in LAZY_OK]
     assert not hidden, "function-level imports of spectrain modules (move them to the top):\n" + "\n".join(hidden)
+
+
+def test_other_function_level_imports_are_optional_or_heavy_dependencies():
+    hidden = []
+    for p in PKG.rglob("*.py"):
+        mod = ".".join(p.relative_to(PKG.parent).with_suffix("").parts).removesuffix(".__init__")
+        tree = ast.parse(p.read_text())
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in top or getattr(node, "level", 0):
+                continue
+            name = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+            if name.startswith("spectrain"):
+                continue  # the spectrain rule is test_function_level_imports_are_the_listed_few
+            lazy_ok = any(name == k or name.startswith(k + ".") for k in LAZY_THIRD_PARTY)
+            torch_free = mod in TORCH_FREE_MODULES or any(mod == t or mod.startswith(t + ".") for t in TORCH_FREE)
+            if not lazy_ok and not torch_free:
+                hidden.append(f"{mod}:{node.lineno} {name}")
+    assert not hidden, "function-level imports of hard dependencies (move them to the top):\n" + "\n".join(hidden)
 
 
 def test_small_modules_and_a_short_top_level():

@@ -32,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import parse_flag_from_env
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -390,8 +392,6 @@ def _process_group():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1, None, lambda: None
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
 
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as Accelerator reads it
     if state.num_processes != world:

@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from spectrain.data.regen_server import (
     REASONING_MODES,
@@ -102,8 +103,6 @@ def _takes_logits_to_keep(model_cls: type) -> bool:
 def generate_batch(target, prompts: list[list[int]], seeds: list[int], max_new: int, temperature: float,
                    stop: set[int]) -> list[tuple[list[int], bool]]:
     """Left-padded KV-cached decoding -> per prompt (answer ids without the stop token, truncated?)."""
-    from transformers import DynamicCache
-
     dev, b, n = target.device, len(prompts), max(len(p) for p in prompts)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     ids = torch.full((b, n), pad, dtype=torch.long)

@@ -34,6 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from spectrain.data.chat import load_conversations
 from spectrain.data.generate import _RANK_COUNTS, RegenConfig, RegenStats, regenerate_batch, stop_token_ids
@@ -149,8 +150,6 @@ def _load_rows(recipe, n: int | None):
 
 def _load_target(recipe, world: int):
     """The frozen target, after checking (from the tokenizer alone) that it can build prompts."""
-    from transformers import AutoTokenizer
-
     t = recipe.target
     src = resolve_target_path(t.name_or_path, t.gguf_file)
     tok = AutoTokenizer.from_pretrained(src, trust_remote_code=t.trust_remote_code)

@@ -6,8 +6,11 @@ IndexError or a NaN deep inside a forward pass (the CLI prints the same messages
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Iterable
+
+import torch
 
 from spectrain.decoding.interface import Drafter
 
@@ -25,8 +28,6 @@ def check_tree(tree) -> None:
         raise ValueError(f"tree must be a dict like {{'topk': 4, 'depth': 5, 'total_tokens': 32}} or None, got {tree!r}")
     unknown = sorted(set(map(str, tree)) - set(TREE_KEYS))
     if unknown:
-        import difflib
-
         close = difflib.get_close_matches(unknown[0], TREE_KEYS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"unknown tree option {unknown[0]!r}{hint}; tree options are {', '.join(TREE_KEYS)}")
@@ -53,8 +54,6 @@ def check_sampling(temperature, top_p, top_k) -> None:
 
 
 def _flat_ids(input_ids) -> Iterable:
-    import torch
-
     if isinstance(input_ids, torch.Tensor):
         if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
             raise ValueError(f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor")

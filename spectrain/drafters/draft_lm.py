@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from spectrain.decoding import kv_cache
 from spectrain.decoding.interface import DraftContext, Drafter, Proposal
@@ -87,8 +88,6 @@ class DraftLMDrafter(Drafter):
 
     @classmethod
     def from_pretrained(cls, path: str, target, dtype=None, trust_remote_code: bool = False) -> DraftLMDrafter:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         _warn_if_other_target(path, target)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or target.dtype,
                                                      trust_remote_code=trust_remote_code).to(target.device)
@@ -104,8 +103,6 @@ class DraftLMDrafter(Drafter):
         return cls(model, target, tokenizer=tok)
 
     def begin(self, prompt: torch.Tensor) -> None:
-        from transformers import DynamicCache
-
         self.cache = DynamicCache()
         self.cached = []
 
@@ -262,8 +259,6 @@ def layer_subset(target, layers: list[int]) -> nn.Module:
 
 def _load_student(name: str, init: str, trust_remote_code: bool):
     """init=pretrained: the weights at `name`; init=config: its architecture, randomly initialised."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     try:
         if init == "pretrained":
             model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32,

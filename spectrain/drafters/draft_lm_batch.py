@@ -13,6 +13,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from transformers import DynamicCache
 
 from spectrain.decoding import kv_cache
 from spectrain.decoding.interface import DraftContext, Proposal
@@ -21,8 +22,6 @@ from spectrain.decoding.masks import batch_mask
 
 class BatchedDraftLM:
     def __init__(self, drafter, n_rows: int):
-        from transformers import DynamicCache
-
         self.d = drafter
         self.dev = drafter.model.get_input_embeddings().weight.device
         self.cache = DynamicCache()

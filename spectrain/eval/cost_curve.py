@@ -21,6 +21,7 @@ import statistics
 import time
 
 import torch
+from transformers import DynamicCache
 
 from spectrain.decoding import kv_cache
 
@@ -31,8 +32,6 @@ TOKENS = (1, 2, 4, 8, 16, 32)
 def measure_curve(target, batch: int = 1, context: int = 200, tokens=TOKENS, repeats: int = 5,
                   seed: int = 0) -> dict[int, float]:
     """Median seconds of one target pass over t new tokens per row (B rows, `context` cached tokens)."""
-    from transformers import DynamicCache
-
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, target.vocab_size, (batch, context + max(tokens)), generator=g).to(target.device)
     cache = DynamicCache()

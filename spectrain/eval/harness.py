@@ -18,6 +18,7 @@ JSONL with ``turns`` / ``messages`` / ``prompt`` / ``question`` records.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from spectrain.decoding.loop import DecodeStats, plain_generate, speculative_generate
 from spectrain.drafters import load_drafter
@@ -237,8 +239,6 @@ def _configs(args, drafter) -> list[DecodeConfig]:
 
 
 def main(args) -> int:
-    from tqdm.auto import tqdm
-
     validate_args(args)
     recipe = None
     if args.recipe:
@@ -300,8 +300,6 @@ def main(args) -> int:
 
 def prompt_id(ids: list[int]) -> str:
     """A prompt's identity across evals: a hash of the token ids the target saw (same set, template, cut)."""
-    import hashlib
-
     return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:12]
 
 

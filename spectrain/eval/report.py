@@ -14,6 +14,9 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import transformers
+
 from spectrain.eval import stats
 from spectrain.eval.plots import plot_acceptance, plot_batch_sweep, plot_tau
 from spectrain.eval.stats import fmt_ci, fmt_value
@@ -128,9 +131,6 @@ def _git_sha() -> str | None:
 
 
 def run_metadata(args, target_name: str, target, sets, baselines: dict) -> dict:
-    import torch
-    import transformers
-
     return {
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),

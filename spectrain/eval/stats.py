@@ -25,6 +25,8 @@ Pure functions on plain numbers (no models), used by spectrain.eval.report.
 
 from __future__ import annotations
 
+from statistics import NormalDist
+
 import numpy as np
 
 N_BOOT = 2000
@@ -62,8 +64,6 @@ def ratio_ci(num, den, n_boot: int = N_BOOT, level: float = LEVEL, seed: int = 0
 
 def wilson_ci(successes, trials, level: float = LEVEL) -> list[float | None]:
     """Wilson score interval [lo, hi] of successes / trials ([None, None] when trials == 0)."""
-    from statistics import NormalDist
-
     n, k = float(trials), float(successes)
     if n <= 0:
         return [None, None]

@@ -16,6 +16,7 @@ import argparse
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 from spectrain.decoding.loop import DecodeStats, plain_generate, speculative_generate
 from spectrain.eval import roofline
@@ -54,8 +55,6 @@ def validate_sweep_args(args) -> None:
 
 def batch_sweep(target, drafters: dict, plan: dict, encoded: dict, args) -> dict:
     """The measured sweep with the roofline prediction beside it (what `spectrain eval` reports)."""
-    from tqdm.auto import tqdm
-
     n = len(args.batch_size) * sum(len(c) for c in plan.values()) * args.sweep_repeats
     with tqdm(total=n, desc="batch-size sweep", unit="cell") as bar:
         result = run_sweep(target, drafters, plan, encoded, args, bar)

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from spectrain import registry
@@ -185,8 +186,6 @@ def problems_of(check: Callable[[], list[str]]) -> list[str]:
 
 def target_embedding(name: str, vocab: int, hidden: int) -> torch.Tensor | None:
     """The target's input embedding [vocab, hidden] read from its local safetensors (None when not local)."""
-    from safetensors import safe_open
-
     root = Path(name) if name else None
     files = sorted(root.glob("*.safetensors")) if root and root.is_dir() else []
     for f in files:

@@ -14,6 +14,8 @@ import shutil
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from spectrain.export.common import (
     CONFIG_NAME,
@@ -82,8 +84,6 @@ def _both_rope_styles(file: Path) -> None:
 
 def _check_same_vocab(draft: Path, target: Path) -> None:
     """Drafts must share the target's vocabulary token for token (same sizes are not enough)."""
-    from transformers import AutoTokenizer
-
     try:
         mine, theirs = (AutoTokenizer.from_pretrained(str(d)).get_vocab() for d in (draft, target))
     except (OSError, ValueError):
@@ -96,9 +96,6 @@ def _check_same_vocab(draft: Path, target: Path) -> None:
 
 def validate_hf_draft(out_dir) -> list[str]:
     """Load with transformers itself: missing / unexpected / mis-shaped weights, tokenizer, vocab rows."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     out = Path(out_dir)
     if not (out / "config.json").is_file() or not list(out.glob("*.safetensors")):
         return [f"{out} needs config.json and *.safetensors weights (a standard HF model directory)"]

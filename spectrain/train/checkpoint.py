@@ -29,7 +29,11 @@ import os
 import re
 import shutil
 import signal
+import threading
 from pathlib import Path
+
+import torch
+import yaml
 
 from spectrain.io import integrity
 from spectrain.io.errors import writing
@@ -64,8 +68,6 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
 def save_drafter_dir(drafter, path: Path, state_dict: dict | None = None) -> None:
     """``drafter.save_pretrained``; ``state_dict`` = the full weights when the module holds only a shard.
     Non-finite weights are never written (and so never sealed as good)."""
-    import torch
-
     for name, t in (state_dict if state_dict is not None else drafter.state_dict()).items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"refusing to save {path}: drafter weight {name} holds NaN or Inf values; lower "
@@ -202,8 +204,6 @@ def _check_recipe(ckpt: Path, state: dict, recipe_dict: dict) -> None:
     saved = ckpt.parent / "recipe.yaml"
     detail = ""
     if saved.is_file():
-        import yaml
-
         diffs = _diff(training_fields(yaml.safe_load(saved.read_text())), training_fields(recipe_dict))
         detail = "\n  " + "\n  ".join(diffs[:20]) if diffs else ""
     raise ValueError(
@@ -282,8 +282,6 @@ class Preemption:
     A second signal while one is pending raises KeyboardInterrupt (stop now, no checkpoint)."""
 
     def __init__(self):
-        import threading
-
         self.signal: int | None = None
         self._prev: dict = {}
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there

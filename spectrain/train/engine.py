@@ -3,9 +3,16 @@ and the frozen target placed to match it (one device, an HF device map, or ZeRO-
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers.utils import logging as hf_logging
 
 from spectrain.target.model import gathered, load_target
 
@@ -25,8 +32,6 @@ def resolve_precision(precision: str) -> str:
 
 def check_trackers(recipe) -> list[str]:
     """The recipe's wandb / tensorboard trackers, each installed (also run by `spectrain check`)."""
-    import importlib.util
-
     trackers = [t for t in recipe.tracking.report_to if t in ("wandb", "tensorboard")]
     for t in trackers:
         if importlib.util.find_spec(t) is None:
@@ -56,16 +61,12 @@ def resolve_num_threads(requested: int = 0) -> int:
 
 
 def make_accelerator(recipe):
-    from accelerate import Accelerator
-
     # From the launcher's environment: building PartialState here would freeze its device choice
     # before Accelerator reads ACCELERATE_USE_CPU.
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trackers = check_trackers(recipe)
     handlers = []
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not torch.cuda.is_available():
-        from accelerate.utils import InitProcessGroupKwargs
-
         # DeepSpeed's CPU accelerator forms a gloo group, but accelerate finds no device backend and
         # would report world size 1 unless told the backend.
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
@@ -85,8 +86,6 @@ def make_accelerator(recipe):
                          "launch with a matching recipes/accelerate config")
     _fill_deepspeed_config(acc, recipe.training)
     if not acc.is_main_process:
-        from transformers.utils import logging as hf_logging
-
         hf_logging.disable_progress_bar()  # one "Loading weights" bar per run, not one per rank
     return acc
 
@@ -142,10 +141,6 @@ def shard_target_fsdp(target, device_type: str) -> None:
     """FSDP: shard the frozen target with FSDP2 as well, one unit per decoder layer plus the embeddings,
     final norm and lm_head (tied ones in one unit), so each rank keeps 1/N of it and FrozenTarget's
     direct calls (embed, norm + lm_head) gather exactly the weights they use. No optimizer sees it."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     for layer in target.layers:
         fully_shard(layer, mesh=mesh)

@@ -23,12 +23,17 @@ like axolotl / TRL / torchtune do; the child processes see ``SPECTRAIN_LAUNCHED=
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
+import yaml
+from transformers import AutoConfig, AutoTokenizer
 
 from spectrain.data.chat import is_heldout, load_conversations
 from spectrain.io.resources import accelerate_configs, resolve_accelerate_config
@@ -63,8 +68,6 @@ def _free_port() -> int:
 
 
 def _config_fields(path: Path) -> dict:
-    import yaml
-
     try:
         cfg = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -113,8 +116,6 @@ def plan_launch(recipe_arg: str, overrides: list[str], nproc: int | None, config
 
 def _require_engine(name: str, fields: dict) -> None:
     """An accelerate config whose engine is not installed: one line with the install command."""
-    import importlib.util
-
     if fields.get("distributed_type") == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
         raise ValueError(f"accelerate config {name} uses DeepSpeed, which is not installed: "
                          "pip install 'spectrain[deepspeed]' (or use --accelerate-config ddp / fsdp)")
@@ -143,7 +144,6 @@ def _steps_and_eta(recipe, world: int, gpu_name: str, cuda_devices: int) -> tupl
         train = sum(not is_heldout(r["id"], d.heldout_fraction) for r in rows)
         steps = t.max_steps or t.epochs * (train // t.global_batch_size)
         return f"~{steps}", "n/a (no CUDA)" if not cuda_devices else f"n/a ({gpu_name}: not in the plan's GPU table)"
-    from transformers import AutoConfig, AutoTokenizer
 
     src, trc = recipe.target.name_or_path, recipe.target.trust_remote_code
     cfg = AutoConfig.from_pretrained(src, trust_remote_code=trc)
@@ -157,14 +157,10 @@ def _steps_and_eta(recipe, world: int, gpu_name: str, cuda_devices: int) -> tupl
 
 
 def _gpu_name() -> str:
-    import torch
-
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
 
 
 def _cuda_devices() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

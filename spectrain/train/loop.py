@@ -34,7 +34,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 from torch import nn
+from tqdm.auto import tqdm
 
 from spectrain.data.packing import pack_rows
 from spectrain.recipe.load import load_recipe
@@ -167,8 +169,6 @@ def train_step(run) -> dict:
 @torch.no_grad()
 def evaluate(run) -> dict | None:
     """Held-out split: per-step acc, conditional acc and the simulated-tau PROXY (greedy, +1 bonus)."""
-    from accelerate.utils import gather_object
-
     if run.held_src is None:
         return None
     acc, src = run.acc, run.held_src
@@ -262,8 +262,6 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
 
 
 def _train(recipe, target, train_rows, heldout_rows, on_step) -> dict:
-    from tqdm.auto import tqdm
-
     run = setup(recipe, target, train_rows, heldout_rows)
     acc, t = run.acc, recipe.training
 

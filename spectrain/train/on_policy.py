@@ -26,6 +26,9 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_model, save_model
+from transformers import DynamicCache
 
 from spectrain.data.dataset import collate
 from spectrain.decoding.sampling import Sampler
@@ -59,7 +62,6 @@ def sample_continuations(model, prompts: list[list[int]], max_new: int, sampler:
     for r, p in enumerate(prompts):
         ids[r, n - len(p):], am[r, n - len(p):] = torch.tensor(p), 1
     ids, am = ids.to(dev), am.to(dev)
-    from transformers import DynamicCache
 
     pos, cache = (am.cumsum(1) - 1).clamp_min(0), DynamicCache()
     out = model(input_ids=ids, attention_mask=am, position_ids=pos, cache=cache, use_cache=True)
@@ -132,16 +134,11 @@ class OnPolicy:
     # ---- checkpoint state (only the snapshot; everything else follows from the step) --------------------
     def save(self, path: Path) -> None:
         if self.snapshot is not None:
-            from safetensors.torch import save_model  # save_model: tied embeddings share one tensor
-
             save_model(self.snapshot, str(path / SNAPSHOT_FILE), metadata={"window": str(self._window)})
 
     def restore(self, run, ckpt_dir: Path) -> None:
         f = Path(ckpt_dir) / SNAPSHOT_FILE
         if self.cfg.refresh_every > 1 and f.is_file():
-            from safetensors import safe_open
-            from safetensors.torch import load_model
-
             self.snapshot = copy.deepcopy(student(run)).eval().requires_grad_(False)
             load_model(self.snapshot, str(f), device=str(run.acc.device))
             with safe_open(str(f), "pt") as h:

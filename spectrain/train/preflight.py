@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from transformers import AutoConfig, AutoTokenizer
+
 from spectrain import registry
 from spectrain.data.chat import load_conversations, tokenize_conversations
 from spectrain.recipe.load import check_draft_layers, load_recipe
@@ -32,8 +34,6 @@ def _fail(msg: str) -> int:
 
 def _check_target(r: Recipe):
     """Config + tokenizer (no weights) and their consistency with the recipe. Returns (config, tok)."""
-    from transformers import AutoConfig, AutoTokenizer
-
     src, trc = r.target.name_or_path, r.target.trust_remote_code
     if split_gguf(src, r.target.gguf_file):  # dequantized once (cached); config + tokenizer come from the copy
         src = resolve_target_path(src, r.target.gguf_file)
@@ -111,7 +111,6 @@ def _student_config(r: Recipe):
     """A draft LM's own config (its size), or None for the other drafters and a layer subset of the target."""
     if r.drafter.kind != "draft" or not r.drafter.draft.model:
         return None
-    from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(r.drafter.draft.model, trust_remote_code=r.target.trust_remote_code)
 

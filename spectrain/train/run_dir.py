@@ -3,7 +3,9 @@ inputs), claiming an output_dir, metrics.jsonl appends and truncation on resume.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.metadata as md
 import json
 import os
 import platform
@@ -93,8 +95,6 @@ def _git_sha() -> str | None:
 
 
 def library_versions() -> dict[str, str]:
-    import importlib.metadata as md
-
     out = {"python": platform.python_version()}
     for name in ("spectrain", "torch", "transformers", "accelerate", "datasets", "safetensors", "deepspeed",
                  "wandb", "tensorboard"):
@@ -145,8 +145,6 @@ def check_run_dir(recipe) -> Path:
 def claim_run_dir(recipe):
     """Check ``output_dir``, then (main process: RANK 0) lock it for this process and mark it a run
     directory. A context manager: the lock is released when the run ends."""
-    import contextlib
-
     out = check_run_dir(recipe)
     if int(os.environ.get("RANK", "0")) != 0:
         return contextlib.nullcontext(out)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType, set_seed
 from torch import nn
 
 from spectrain import registry
@@ -77,8 +78,6 @@ class Run:
 
 
 def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
-    from accelerate.utils import set_seed
-
     t = recipe.training
     torch.set_num_threads(resolve_num_threads(t.num_threads))
     acc = make_accelerator(recipe)
@@ -100,7 +99,6 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
     set_seed(t.seed)  # the drafter init must not depend on how much RNG the data loading used
     with gathered([p for m in (target.embed_tokens, target.lm_head, target.norm) for p in m.parameters()]):
         drafter = registry.build_head(recipe.drafter.kind, recipe, target, counts).to(acc.device)  # (Medusa copies the lm_head)
-    from accelerate.utils import DistributedType
 
     if acc.distributed_type == DistributedType.FSDP:
         shard_target_fsdp(target, acc.device.type)  # after the drafter copied what it needs
@@ -126,8 +124,6 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
 
 def _on_policy_hook(recipe, acc, target):
     """The rollout hook of training.on_policy or drafter.eagle3.rollout (spectrain/train/on_policy.py), or None."""
-    from accelerate.utils import DistributedType
-
     if recipe.training.on_policy.fraction > 0 and (zero3(acc) or acc.distributed_type == DistributedType.FSDP):
         raise ValueError("training.on_policy runs single-process or DDP: under ZeRO-3 / FSDP the student's weights "
                          "are sharded and sampling would need a collective per token; use DDP or ZeRO-1/2")

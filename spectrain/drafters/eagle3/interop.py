@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from transformers import AutoConfig
 
 from spectrain.drafters.eagle3.decode import Eagle3Proposer
 from spectrain.drafters.eagle3.layout import LAYOUT_FLAGS, build_draft_vocab, sort_aux
@@ -69,8 +70,6 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 # ---- config parsing ---------------------------------------------------------------------------
 def _layer_config(fields: dict, where: str):
     """A transformers config of the draft layer; refuses what spectrain's Llama-style layer cannot compute."""
-    from transformers import AutoConfig
-
     fields = {k: v for k, v in fields.items() if k not in ("architectures", "transformers_version")}
     model_type = fields.pop("model_type", "llama")
     if model_type != "llama":
