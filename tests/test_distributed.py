@@ -349,6 +349,7 @@ def worker_ranks(out: Path) -> int:
 def worker_train(out: Path, recipe_path: str, overrides: list[str]) -> int:
     """Run the real loop (spectrain.train.loop.main) and record, per rank, the rows each micro-batch held."""
     from spectrain.train import loop as T
+    from spectrain.train import setup as S  # setup() builds the sources: patch the name it calls
 
     seen: list[list[int]] = []
     original_get = T.OnlineSource.get
@@ -358,7 +359,7 @@ def worker_train(out: Path, recipe_path: str, overrides: list[str]) -> int:
             seen.append(list(indices))
         return original_get(self, indices)
 
-    original_make_sources = T.make_sources
+    original_make_sources = S.make_sources
 
     identity: dict = {}
 
@@ -372,7 +373,7 @@ def worker_train(out: Path, recipe_path: str, overrides: list[str]) -> int:
         return train, held
 
     T.OnlineSource.get = recording_get
-    T.make_sources = recording_make_sources
+    S.make_sources = recording_make_sources
     code = T.main(recipe_path, overrides)
     from accelerate import PartialState
 

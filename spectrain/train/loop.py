@@ -58,7 +58,7 @@ from spectrain.train.metrics import _all_ranks, _pool, _sum_ranks, aggregate
 from spectrain.train.plan import require_train_disk
 from spectrain.train.schedule import epoch_order, lr_factor, rank_micro_batches
 from spectrain.train.setup import Run, setup
-from spectrain.train.sources import OnlineSource, make_sources  # noqa: F401  (re-exported for scripts and tests)
+from spectrain.train.sources import OnlineSource  # noqa: F401  (re-exported: tests/test_distributed.py records its rows)
 
 
 class TrainingDiverged(ValueError):
