@@ -17,19 +17,16 @@ from spectrain.data.dataset import build_dataset, token_frequencies
 from spectrain.data.features import _pad_id
 from spectrain.target.model import gathered
 from spectrain.train import on_policy
-from spectrain.train.engine import (  # noqa: F401  (resolve_precision, resolve_num_threads: re-exported)
-    full_state_dict,
-    is_sharded,
+from spectrain.train.engine import (
     load_target_for,
     make_accelerator,
     resolve_num_threads,
-    resolve_precision,
     shard_target,
     shard_target_fsdp,
     zero3,
 )
 from spectrain.train.schedule import build_optimizer, lr_factor
-from spectrain.train.sources import OnlineSource, make_sources  # noqa: F401  (re-exported for scripts and tests)
+from spectrain.train.sources import make_sources
 
 
 def drafter_class(kind: str) -> type:
