@@ -73,6 +73,29 @@ def test_gguf_fingerprint_names_the_gguf(tiny_gguf, cache):
     assert target_fingerprint(target) != target_fingerprint(plain)
 
 
+def test_v1_values_of_the_first_gguf_release_still_match(tiny_gguf, cache):
+    """Caches and heads written by the first GGUF release hold a v1 value that also hashed the GGUF file;
+    they must still be recognised (the SmolLM2 head and feature cache of that release were warned about /
+    refused as 'another target' until this was fixed)."""
+    import hashlib
+    import json
+
+    import torch
+
+    from spectrain.target.fingerprint import same_target
+
+    target = load_target(str(tiny_gguf), device="cpu")
+    h = hashlib.sha256(json.dumps([target.num_layers, target.hidden_size, target.vocab_size]).encode())
+    h.update(json.dumps([target.gguf["gguf_sha256"], target.gguf["quant_type"]]).encode())  # that release's formula
+    for w in (target.norm.weight, target.lm_head.weight[:64], target.embed_tokens.weight[:64]):
+        h.update(w.detach().to(torch.bfloat16).float().numpy().tobytes())
+    recorded = h.hexdigest()[:32]
+    assert same_target(recorded, target) is True
+    plain = load_target(target.load_path, device="cpu")
+    plain.gguf = None  # the same weights seen as a plain checkpoint never matched that value
+    assert same_target(recorded, plain) is False
+
+
 def test_gguf_errors_name_the_fix(tiny_gguf, fresh_cache, monkeypatch, tmp_path):
     with pytest.raises(FileNotFoundError, match="spectrain target fetch smollm2-135m"):
         load_target(str(tmp_path / "missing.gguf"), device="cpu")

@@ -22,9 +22,12 @@ _VOLATILE_CONFIG = {"_name_or_path", "transformers_version", "torch_dtype", "dty
                     "use_cache", "_commit_hash", "attn_implementation", "_attn_implementation"}
 
 
-def legacy_fingerprint(target) -> str:
-    """v1 (older spectrain): shapes + final norm + the first 64 rows of lm_head and embeddings, bf16-rounded."""
+def legacy_fingerprint(target, with_gguf: bool = False) -> str:
+    """v1 (older spectrain): shapes + final norm + the first 64 rows of lm_head and embeddings, bf16-rounded.
+    From the first GGUF release on, v1 also hashed the GGUF file and quantization (``with_gguf``)."""
     h = hashlib.sha256(json.dumps([target.num_layers, target.hidden_size, target.vocab_size]).encode())
+    if with_gguf:
+        h.update(_gguf_blob(target))
     weights = (target.norm.weight, target.lm_head.weight, target.embed_tokens.weight)
     with gathered(weights):  # ZeRO-3 keeps only a slice of each weight on a rank
         full = [w.full_tensor() if hasattr(w, "full_tensor") else w for w in weights]
@@ -110,4 +113,5 @@ def same_target(recorded: str | None, target) -> bool | None:
         return None
     if str(recorded).startswith(FINGERPRINT_PREFIX):
         return recorded == target_fingerprint(target)
-    return recorded == legacy_fingerprint(target)
+    variants = (False, True) if getattr(target, "gguf", None) else (False,)
+    return any(recorded == legacy_fingerprint(target, g) for g in variants)
