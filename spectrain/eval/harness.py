@@ -32,6 +32,7 @@ from spectrain.decoding.loop import DecodeStats, plain_generate, speculative_gen
 from spectrain.drafters import load_drafter
 from spectrain.eval import cost_curve as cc
 from spectrain.eval import report
+from spectrain.eval.hf_baselines import HFBaseline, is_hf_spec, load_hf_baseline, parse_hf_spec
 from spectrain.eval.prompts import (
     DEFAULT_OOD_SETS,
     PROMPT_SETS,
@@ -59,7 +60,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "once into a cached checkpoint)")
     p.add_argument("--recipe", help="recipe YAML: gives the held-out prompt set and the default target")
     p.add_argument("--drafter", action="append", default=None,
-                   help="'ngram', a trained drafter dir, an HF draft model path, or 'none' (baseline only); "
+                   help="'ngram', a trained drafter dir, an HF draft model path, 'none' (baseline only), or an HF "
+                        "generate baseline on the same prompts: hf:plain, hf:prompt-lookup (k = "
+                        "prompt_lookup_num_tokens), hf:assisted=DRAFT_MODEL_DIR (k = num_assistant_tokens); "
                         "repeatable (default: ngram)")
     p.add_argument("--prompts", action="append", default=None,
                    help=f"prompt set ({', '.join(PROMPT_SETS)}) or a JSONL file; repeatable "
@@ -146,6 +149,9 @@ def validate_args(args) -> None:
         if not ok:
             raise ValueError(msg)
     args.tree = [parse_tree(t) for t in args.tree]
+    for d in args.drafter:
+        if is_hf_spec(d):
+            parse_hf_spec(d)
 
     validate_sweep_args(args)
     check_out(args)
@@ -153,7 +159,8 @@ def validate_args(args) -> None:
 
 def check_out(args) -> None:
     """--out is checked before any model is loaded (not after all the decoding): see spectrain/io/outputs.py."""
-    inputs = [("target", args.target), ("recipe", args.recipe)] + [("drafter", d) for d in args.drafter] + \
+    drafters = [parse_hf_spec(d)[1] if is_hf_spec(d) else d for d in args.drafter]
+    inputs = [("target", args.target), ("recipe", args.recipe)] + [("drafter", d) for d in drafters if d] + \
         [("prompt file", p) for p in (args.prompts or [])]
     args.out = resolve_out(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}",
                            getattr(args, "force", False), inputs=inputs)
@@ -167,11 +174,13 @@ class DecodeConfig:
     k: int
     tree: dict | None
     temperature: float
+    shape: str = ""  # a label without a chain length (hf:plain)
 
     @property
     def label(self) -> str:
         t = self.tree
-        shape = f"k={self.k}" if t is None else f"tree topk={t['topk']},depth={t['depth']},total={t['total_tokens']}"
+        shape = self.shape or (f"k={self.k}" if t is None else
+                               f"tree topk={t['topk']},depth={t['depth']},total={t['total_tokens']}")
         return f"{shape} T={self.temperature:g}"
 
 
@@ -222,13 +231,16 @@ def run_cells(target, drafters: dict, plan: dict, sets: list[PromptSet], encoded
                 for rep in range(getattr(args, "repeats", 1)):
                     _decode_into(base, plain_generate, rep, **common)
                     for d, cfg in todo:
-                        _decode_into(cells.setdefault((d, cfg.label, ps.name), _new_cell()), speculative_generate,
+                        fn = drafters[d].generate if is_hf_spec(d) else speculative_generate  # same signature
+                        _decode_into(cells.setdefault((d, cfg.label, ps.name), _new_cell()), fn,
                                      rep, drafter=drafters[d], k=cfg.k, tree=cfg.tree, **common)
                     bar.update(decode_weight(ids, args) * (1 + len(todo)))
     return cells
 
 
 def _configs(args, drafter) -> list[DecodeConfig]:
+    if isinstance(drafter, HFBaseline) and drafter.kind == "plain":
+        return [DecodeConfig(1, None, temp, shape="plain") for temp in args.temperature]  # drafts nothing
     shapes = [(k, None) for k in args.k]
     if getattr(drafter, "supports_tree", False):
         shapes += [(t["depth"], t) for t in args.tree]
@@ -277,7 +289,8 @@ def main(args) -> int:
                                                   args.cost_ratio))
     meta = report.run_metadata(args, target_name, target, sets, baselines)
 
-    sweep = batch_sweep(target, drafters, plan, encoded, args) if getattr(args, "batch_size", None) else None
+    own = {d: c for d, c in plan.items() if not is_hf_spec(d)}  # HF's assisted generation decodes B = 1 only
+    sweep = batch_sweep(target, drafters, own, encoded, args) if getattr(args, "batch_size", None) else None
     costs = _cost_curve(target, records, args, meta) if args.cost_curve else None
     with staged_dir(args.out, "eval") as tmp:  # lands whole or not at all; --force replaces, never mixes
         paths = report.write_all(tmp, meta, records, batch_sweep=sweep)
@@ -306,7 +319,7 @@ def prompt_id(ids: list[int]) -> str:
 def _cost_curve(target, records: list[dict], args, meta: dict) -> str:
     """The measured verification cost curve (B = 1 and every --batch-size) and the chain length it picks."""
     curves = {b: cc.measure_curve(target, batch=b) for b in sorted({1, *(getattr(args, "batch_size", None) or [])})}
-    recs = cc.recommend(records, curves[1])
+    recs = cc.recommend([r for r in records if not is_hf_spec(r["drafter"])], curves[1])
     meta["cost_curve"] = {"seconds": {str(b): {str(t): v for t, v in c.items()} for b, c in curves.items()},
                           "recommendations": recs, "context_tokens": 200}
     return "\n".join(["## Verification cost curve (measured: one target pass over t new tokens, 200 cached)", "",
@@ -338,7 +351,7 @@ def _load_drafters(specs: list[str], target) -> dict:
     out = {}
     for spec in specs:
         if spec.lower() != "none" and spec not in out:
-            out[spec] = load_drafter(spec, target)
+            out[spec] = load_hf_baseline(spec, target, load_drafter) if is_hf_spec(spec) else load_drafter(spec, target)
     return out
 
 
