@@ -51,3 +51,18 @@ def test_recommend_compares_predicted_and_measured():
     assert r["best_k"] == 1 and r["measured_best"] == "k=1 T=0"
     assert r["draft_step_ms"] == pytest.approx(10.0)
     assert "k=1" in "\n".join(cc.recommend_markdown([r]))
+
+
+def test_annotate_sweep_predicts_each_batch_size_from_its_own_curve():
+    """The crossover predicted from the measured curve at each B (not the roofline): a pass over 2 tokens that
+    costs 1.1x at B = 1 but 1.9x at B = 8 turns tau 1.6 from a win into a loss."""
+    sweep = {"cells": [{"drafter": "h", "config": "k=1 T=0", "k": 1, "tree": None, "batch_size": b,
+                        "tau": 1.6 if b == 1 else 1.5} for b in (1, 8)],
+             "crossover": [{"drafter": "h", "config": "k=1 T=0"}]}
+    curves = {1: {1: 0.010, 2: 0.011}, 8: {1: 0.020, 2: 0.038}}
+    recs = [{"drafter": "h", "config": "k=1 T=0", "k": 1, "target_passes": 10, "draft_time_s": 0.005}]
+    cc.annotate_sweep(sweep, curves, recs)
+    b1, b8 = sweep["cells"]
+    assert b1["predicted_cost_curve"] == pytest.approx(1.6 * 0.010 / (0.011 + 0.0005))
+    assert b8["predicted_cost_curve"] == pytest.approx(1.6 * 0.020 / (0.038 + 0.0005))  # tau taken at the smallest B
+    assert sweep["crossover"][0]["predicted_cost_curve"] == 1

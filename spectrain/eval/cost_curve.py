@@ -24,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from spectrain.decoding import kv_cache
+from spectrain.eval.roofline import crossover
 
 TOKENS = (1, 2, 4, 8, 16, 32)
 
@@ -95,6 +96,32 @@ def draft_step_seconds(rec: dict) -> float | None:
     """Seconds of one drafter step in an eval record (draft time per verification pass / depth)."""
     passes, k = rec.get("target_passes") or 0, rec.get("k") or 0
     return rec["draft_time_s"] / (passes * k) if passes and k else None
+
+
+def annotate_sweep(sweep: dict, curves: dict[int, dict[int, float]], records: list[dict]) -> None:
+    """The batch-size sweep predicted from the MEASURED cost curve at each B instead of the roofline (in place):
+    speedup = tau * T_B(1) / (T_B(n + 1) + depth * d), tau at the smallest B, d = the drafter step measured at
+    B = 1 in the eval grid (a drafter step at larger B costs more, so this leans optimistic there)."""
+    steps: dict[tuple, list[float]] = {}
+    for r in records:
+        d = draft_step_seconds(r)
+        if d is not None:
+            steps.setdefault((r["drafter"], r["config"]), []).append(d)
+    first: dict[tuple, dict] = {}
+    for c in sweep["cells"]:
+        first.setdefault((c["drafter"], c["config"]), c)
+    for c in sweep["cells"]:
+        key, curve = (c["drafter"], c["config"]), curves.get(c["batch_size"])
+        tau = first[key]["tau"]
+        if curve is None or tau is None:
+            continue
+        d = statistics.mean(steps.get(key, [0.0]))
+        nodes, depth = (c["tree"]["total_tokens"], c["tree"]["depth"]) if c["tree"] else (c["k"], c["k"])
+        c["predicted_cost_curve"] = tree_speedup(tau, nodes, depth, curve, d)
+    for row in sweep.get("crossover", []):
+        cs = [c for c in sweep["cells"] if (c["drafter"], c["config"]) == (row["drafter"], row["config"])]
+        row["predicted_cost_curve"] = crossover([c["batch_size"] for c in cs],
+                                                [c.get("predicted_cost_curve") for c in cs])
 
 
 def recommend(records: list[dict], curve: dict[int, float], max_k: int = 8) -> list[dict]:

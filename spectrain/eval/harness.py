@@ -292,6 +292,9 @@ def main(args) -> int:
     own = {d: c for d, c in plan.items() if not is_hf_spec(d)}  # HF's assisted generation decodes B = 1 only
     sweep = batch_sweep(target, drafters, own, encoded, args) if getattr(args, "batch_size", None) else None
     costs = _cost_curve(target, records, args, meta) if args.cost_curve else None
+    if sweep is not None and costs:
+        curves = {int(b): {int(t): v for t, v in c.items()} for b, c in meta["cost_curve"]["seconds"].items()}
+        cc.annotate_sweep(sweep, curves, records)
     with staged_dir(args.out, "eval") as tmp:  # lands whole or not at all; --force replaces, never mixes
         paths = report.write_all(tmp, meta, records, batch_sweep=sweep)
         if costs:

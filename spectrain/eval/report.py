@@ -254,22 +254,24 @@ def sweep_markdown(sw: dict) -> list[str]:
           f"and for a deployment of this target in bf16 on {dep.get('name', '-')} "
           f"({fmt_value(dep.get('bandwidth_GBps'), 0)} GB/s, {fmt_value(dep.get('TFLOPs'), 0)} TFLOP/s).", "",
           "| drafter | config | B | plain tok/s | spec tok/s | **speedup** | latency plain / spec (s) | tau "
-          "| predicted, this machine | predicted, deployment | greedy == plain |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| predicted, this machine | predicted, measured cost curve | predicted, deployment | greedy == plain |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in sw["cells"]:
         md.append(f"| {c['drafter']} | {c['config']} | {c['batch_size']} | {fmt_value(c['plain_tokens_per_s'], 1)} "
                   f"| {fmt_value(c['tokens_per_s'], 1)} | **{fmt_value(c['speedup'])}x** | {fmt_value(c['plain_latency_s'])} / "
                   f"{fmt_value(c['latency_s'])} | {fmt_value(c['tau'])} | {fmt_value(c.get('predicted_cpu'))}x "
-                  f"| {fmt_value(c.get('predicted_deployment'))}x | {c.get('greedy_identical_to_plain', '-')} |")
-    md += ["", "| drafter | config | crossover, measured | predicted, this machine | predicted, deployment |",
-           "|---|---|---|---|---|"]
+                  f"| {fmt_value(c.get('predicted_cost_curve'))}x | {fmt_value(c.get('predicted_deployment'))}x "
+                  f"| {c.get('greedy_identical_to_plain', '-')} |")
+    md += ["", "| drafter | config | crossover, measured | predicted, this machine (roofline) "
+           "| predicted, measured cost curve | predicted, deployment |", "|---|---|---|---|---|---|"]
 
     def where(b):
         return "none in range" if b is None else f"B = {b}"
 
     for x in sw.get("crossover", []):
+        curve = where(x["predicted_cost_curve"]) if "predicted_cost_curve" in x else "- (add --cost-curve)"
         md.append(f"| {x['drafter']} | {x['config']} | {where(x['measured'])} | {where(x['predicted_cpu'])} "
-                  f"| {where(x.get('predicted_deployment'))} |")
+                  f"| {curve} | {where(x.get('predicted_deployment'))} |")
     md += ["", "Crossover = the largest batch size whose speculative throughput still beats plain decoding "
            f"(measured over B = {', '.join(map(str, sw['batch_sizes']))}; the deployment prediction over B = 1..512)."]
     return md
