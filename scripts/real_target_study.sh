@@ -9,14 +9,17 @@
 #   regen     the shipped data/train/smollm2_regen.jsonl is reused; delete it to regenerate (~35 min for 592 rows)
 #   features  the offline feature cache shared by the three recipes (~8 min, 528 MiB)
 #   train     EAGLE-3 (300 steps, ~30 min), Medusa and the draft model (~5-20 s/step each: see their recipes)
-#   eval      one `spectrain eval` report: plain, n-gram, the trained heads, T=0 and T=1, held-out and OOD
-#             sets, chain k=1..3 and a tree, the measured verification cost curve and the k it picks (~20 min)
-#   bench     HF assisted generation (same draft model) and HF prompt lookup on the same prompts (~5 min)
+#   eval      one `spectrain eval` report: plain, n-gram, the trained heads, HF plain / prompt lookup / assisted
+#             generation with the same draft model, T=0 and T=1, held-out and OOD sets, k=1..2 and a tree, the
+#             measured verification cost curve and the k it picks (~45 min)
+#   sweep     the batch-size crossover, B = 1..16, EAGLE-3 and n-gram, beside the roofline and the measured-curve
+#             prediction (~10 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGES=${STAGES:-"fetch regen features train eval bench"}
+STAGES=${STAGES:-"fetch regen features train eval sweep"}
 GGUF=models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
 EVAL=${EVAL:-runs/smollm2-eval}
+SWEEP=${SWEEP:-runs/smollm2-sweep}
 N=${N:-5}
 echo "real-target study: stages [$STAGES]; estimated total on 2 free cores ~1.5-2 h (regeneration skipped)"
 stage() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; SECONDS=0; }
@@ -41,18 +44,20 @@ if has train; then
 fi
 drafters=(--drafter ngram)
 for fam in eagle3 medusa draft; do [ -d "runs/smollm2-$fam/best" ] && drafters+=(--drafter "runs/smollm2-$fam/best"); done
+drafters+=(--drafter hf:plain --drafter hf:prompt-lookup)
+[ -d runs/smollm2-draft/best ] && drafters+=(--drafter hf:assisted=runs/smollm2-draft/best)
 if has eval; then
   stage eval
   python -m spectrain eval --recipe smollm2-135m/eagle3 "${drafters[@]}" \
-    --prompts heldout --prompts mt_bench --prompts humaneval \
+    --prompts heldout --prompts mt_bench --prompts humaneval --prompts spec_bench/math_reasoning \
     --n "$N" --max-new-tokens 64 --k 1 --k 2 --tree topk=2,depth=3,total=4 \
     --temperature 0 --temperature 1 --cost-curve --out "$EVAL" --force
   done_in eval
 fi
-if has bench && [ -d runs/smollm2-draft/best ]; then
-  stage bench
-  python scripts/bench_decode.py --target "$GGUF" --draft-model runs/smollm2-draft/best \
-    --prompts eval/prompts/mt_bench_question.jsonl --n-prompts "$N" --max-new-tokens 64 --k 2 --repeats 3 \
-    --json "$EVAL/hf_compare.json"
-  done_in bench
+if has sweep; then
+  stage sweep
+  python -m spectrain eval --recipe smollm2-135m/eagle3 --drafter ngram --drafter runs/smollm2-eagle3/best \
+    --prompts mt_bench --n 8 --max-new-tokens 32 --k 1 --tree topk=2,depth=3,total=4 --temperature 0 \
+    --batch-size 1 --batch-size 2 --batch-size 4 --batch-size 8 --batch-size 16 --cost-curve --out "$SWEEP" --force
+  done_in sweep
 fi
