@@ -10,10 +10,10 @@
 #   features  the offline feature cache shared by the three recipes (~8 min, 528 MiB)
 #   train     EAGLE-3 (300 steps, ~30 min), Medusa and the draft model (~5-20 s/step each: see their recipes)
 #   eval      one `spectrain eval` report: plain, n-gram, the trained heads, HF plain / prompt lookup / assisted
-#             generation with the same draft model, T=0 and T=1, held-out and OOD sets, k=1..2 and a tree, the
-#             measured verification cost curve and the k it picks (~45 min)
-#   sweep     the batch-size crossover, B = 1..16, EAGLE-3 and n-gram, beside the roofline and the measured-curve
-#             prediction (~10 min)
+#             generation with the same draft model, T=0 and T=1, held-out and two OOD sets, k = 1 and 2, the
+#             measured verification cost curve and the k it picks (~60 min on 2 free cores)
+#   sweep     the batch-size crossover, B = 1..16, EAGLE-3 and n-gram at k = 1, beside the roofline and the measured-curve
+#             prediction (~7 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGES=${STAGES:-"fetch regen features train eval sweep"}
@@ -49,15 +49,15 @@ drafters+=(--drafter hf:plain --drafter hf:prompt-lookup)
 if has eval; then
   stage eval
   python -m spectrain eval --recipe smollm2-135m/eagle3 "${drafters[@]}" \
-    --prompts heldout --prompts mt_bench --prompts humaneval --prompts spec_bench/math_reasoning \
-    --n "$N" --max-new-tokens 64 --k 1 --k 2 --tree topk=2,depth=3,total=4 \
+    --prompts heldout --prompts mt_bench --prompts humaneval \
+    --n "$N" --max-new-tokens 48 --k 1 --k 2 \
     --temperature 0 --temperature 1 --cost-curve --out "$EVAL" --force
   done_in eval
 fi
 if has sweep; then
   stage sweep
   python -m spectrain eval --recipe smollm2-135m/eagle3 --drafter ngram --drafter runs/smollm2-eagle3/best \
-    --prompts mt_bench --n 8 --max-new-tokens 32 --k 1 --tree topk=2,depth=3,total=4 --temperature 0 \
+    --prompts mt_bench --n 8 --max-new-tokens 24 --k 1 --temperature 0 \
     --batch-size 1 --batch-size 2 --batch-size 4 --batch-size 8 --batch-size 16 --cost-curve --out "$SWEEP" --force
   done_in sweep
 fi
