@@ -136,24 +136,75 @@ def packing(data: dict) -> str:
     return markdown(cols, rows)
 
 
-def smollm2(data: dict) -> str:
-    """`spectrain eval` report.json of the SmolLM2 study: alpha_1, tau [95% CI], measured speedup per set."""
-    sets = [("heldout", "held-out: alpha_1, tau, speedup"), ("mt_bench", "MT-bench"), ("humaneval", "HumanEval")]
-    cells = [("runs/smollm2-eagle3/best", "EAGLE-3", "k=1 T=0"), ("runs/smollm2-eagle3/best", "EAGLE-3", "k=2 T=0"),
-             ("runs/smollm2-eagle3/best", "EAGLE-3", "tree topk=2,depth=3,total=4 T=0"),
-             ("runs/smollm2-eagle3/best", "EAGLE-3", "k=1 T=1"), ("ngram", "n-gram", "k=1 T=0"),
-             ("ngram", "n-gram", "tree topk=2,depth=3,total=4 T=0")]
+SMOLLM2_SETS = [("heldout", "held-out"), ("mt_bench", "MT-bench"), ("humaneval", "HumanEval"),
+                ("spec_bench/math_reasoning", "Spec-Bench math")]
+
+
+def smollm2_label(drafter: str) -> str:
+    names = {"ngram": "n-gram", "hf:plain": "HF plain", "hf:prompt-lookup": "HF prompt lookup"}
+    if drafter in names:
+        return names[drafter]
+    if drafter.startswith("hf:assisted="):
+        return "HF assisted (draft model)"
+    fam = Path(drafter).parent.name.removeprefix("smollm2-")  # runs/smollm2-eagle3/best -> eagle3
+    return {"eagle3": "EAGLE-3", "medusa": "Medusa", "draft": "draft model"}.get(fam, drafter)
+
+
+def smollm2_rows(data: dict, keep) -> str:
+    """One row per (drafter, config) the filter keeps: alpha_1, tau [95% CI] and measured speedup per set."""
+    sets = [(ps, title) for ps, title in SMOLLM2_SETS if any(r["prompt_set"] == ps for r in data["records"])]
     recs = {(r["drafter"], r["config"], r["prompt_set"]): r for r in data["records"]}
     rows = []
-    for drafter, label, config in cells:
+    for drafter, config in dict.fromkeys((r["drafter"], r["config"]) for r in data["records"]):
+        if not keep(drafter, config):
+            continue
         setting, _, temp = config.rpartition(" T=")
-        row = [f"{label} {setting}", temp]
+        row = [smollm2_label(drafter) + ("" if setting == "plain" else f" {setting}"), temp]
         for ps, _ in sets:
             r = recs[(drafter, config, ps)]
             lo, hi = r["tau_ci"]
-            row.append(f"{r['alpha'][0]:.2f}, {r['tau']:.2f} [{lo:.2f}, {hi:.2f}], {r['measured_speedup']:.2f}x")
+            a1 = "-" if not r["alpha"] or r["alpha"][0] is None else f"{r['alpha'][0]:.2f}"
+            row.append(f"{a1}, {r['tau']:.2f} [{lo:.2f}, {hi:.2f}], {r['measured_speedup']:.2f}x")
         rows.append(row)
-    return markdown(["drafter, setting", "T"] + [title for _, title in sets], rows)
+    first = f"{sets[0][1]}: alpha_1, tau [95% CI], speedup"
+    return markdown(["drafter, setting", "T", first] + [title for _, title in sets[1:]], rows)
+
+
+def smollm2(data: dict) -> str:
+    """`spectrain eval` report.json of the SmolLM2 study: every drafter and setting."""
+    return smollm2_rows(data, lambda d, c: True)
+
+
+def smollm2_headline(data: dict) -> str:
+    """The README's SmolLM2 table: each drafter at k = 1 (T = 0 and 1), plus EAGLE-3's tree at T = 0."""
+    return smollm2_rows(data, lambda d, c: c.startswith(("k=1 ", "plain ")) or
+                        (smollm2_label(d) == "EAGLE-3" and c.startswith("tree") and c.endswith("T=0")))
+
+
+def smollm2_curve(data: dict) -> str:
+    """The measured verification cost curve of the SmolLM2 eval (meta.cost_curve), ms and relative to t = 1."""
+    cc = data["meta"]["cost_curve"]["seconds"]
+    ts = sorted(int(t) for t in next(iter(cc.values())))
+    rows = [[b] + [f"{c[str(t)] * 1e3:.1f} ms ({c[str(t)] / c[str(ts[0])]:.2f}x)" for t in ts]
+            for b, c in sorted(cc.items(), key=lambda kv: int(kv[0]))]
+    return markdown(["B"] + [f"t={t}" for t in ts], rows)
+
+
+def smollm2_sweep(data: dict) -> str:
+    """The batch-size sweep of the SmolLM2 study: measured speedup per B beside the two predictions."""
+    sw = data["batch_sweep"]
+    rows = []
+    for x in sw["crossover"]:
+        cs = {c["batch_size"]: c for c in sw["cells"] if (c["drafter"], c["config"]) == (x["drafter"], x["config"])}
+        cell = [f"{cs[b]['speedup']:.2f} / {cs[b]['predicted_cpu']:.2f} / {cs[b]['predicted_cost_curve']:.2f}"
+                for b in sw["batch_sizes"]]
+
+        def at(b):
+            return "none" if b is None else f"B={b}"
+        rows.append([f"{smollm2_label(x['drafter'])} {x['config']}", *cell,
+                     f"{at(x['measured'])} / {at(x['predicted_cpu'])} / {at(x['predicted_cost_curve'])}"])
+    return markdown(["setting (measured / roofline / cost curve)"] + [f"B={b}" for b in sw["batch_sizes"]]
+                    + ["crossover"], rows)
 
 
 QS = "eval/reference/eagle3_quality_study.json"
@@ -172,6 +223,9 @@ TABLES: dict[str, tuple[str, object]] = {
     "bench_train_cpu": ("eval/reference/bench_train_cpu.json", _stored_table("bench_train_cpu")),
     "bench_train_packing_cpu": ("eval/reference/bench_train_packing_cpu.json", packing),
     "smollm2_eval": ("eval/reference/smollm2_report.json", smollm2),
+    "smollm2_headline": ("eval/reference/smollm2_report.json", smollm2_headline),
+    "smollm2_cost_curve": ("eval/reference/smollm2_report.json", smollm2_curve),
+    "smollm2_sweep": ("eval/reference/smollm2_sweep.json", smollm2_sweep),
     "batch_sweep_cpu": ("eval/reference/batch_sweep_cpu.json", _stored_table("batch_sweep_cpu")),
     "predicted_crossover_llama8b_h100": ("eval/reference/predicted_crossover_llama8b_h100.json",
                                          _stored_table("predicted_crossover_llama8b_h100")),
