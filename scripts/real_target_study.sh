@@ -12,8 +12,8 @@
 #   eval      one `spectrain eval` report: plain, n-gram, the trained heads, HF plain / prompt lookup / assisted
 #             generation with the same draft model, T=0 and T=1, held-out and two OOD sets, k = 1 and 2, the
 #             measured verification cost curve and the k it picks (~60 min on 2 free cores)
-#   sweep     the batch-size crossover, B = 1..16, EAGLE-3 and n-gram at k = 1, beside the roofline and the measured-curve
-#             prediction (~7 min)
+#   sweep     the batch-size crossover, B = 1..16, EAGLE-3 and n-gram at k = 1 (then EAGLE-3's tree), beside the roofline and the measured-curve
+#             prediction (~12 + 11 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGES=${STAGES:-"fetch regen features train eval sweep"}
@@ -59,5 +59,8 @@ if has sweep; then
   python -m spectrain eval --recipe smollm2-135m/eagle3 --drafter ngram --drafter runs/smollm2-eagle3/best \
     --prompts mt_bench --n 8 --max-new-tokens 24 --k 1 --temperature 0 \
     --batch-size 1 --batch-size 2 --batch-size 4 --batch-size 8 --batch-size 16 --cost-curve --out "$SWEEP" --force
+  python -m spectrain eval --recipe smollm2-135m/eagle3 --drafter runs/smollm2-eagle3/best \
+    --prompts mt_bench --n 8 --max-new-tokens 24 --k 1 --tree topk=2,depth=3,total=4 --temperature 0 \
+    --batch-size 1 --batch-size 2 --batch-size 4 --batch-size 8 --batch-size 16 --cost-curve --out "$SWEEP-tree" --force
   done_in sweep
 fi

@@ -6,20 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import make_tiny_model
-from test_evaluate import write_tiny_chat_world
+from test_evaluate import one_thread, write_tiny_chat_world  # noqa: F401  (one_thread: autouse, 1 torch thread)
 
 from spectrain.cli import main as cli_main
 from spectrain.eval.hf_baselines import parse_hf_spec
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
