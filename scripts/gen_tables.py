@@ -226,6 +226,7 @@ TABLES: dict[str, tuple[str, object]] = {
     "smollm2_headline": ("eval/reference/smollm2_report.json", smollm2_headline),
     "smollm2_cost_curve": ("eval/reference/smollm2_report.json", smollm2_curve),
     "smollm2_sweep": ("eval/reference/smollm2_sweep.json", smollm2_sweep),
+    "smollm2_sweep_tree": ("eval/reference/smollm2_sweep_tree.json", smollm2_sweep),
     "batch_sweep_cpu": ("eval/reference/batch_sweep_cpu.json", _stored_table("batch_sweep_cpu")),
     "predicted_crossover_llama8b_h100": ("eval/reference/predicted_crossover_llama8b_h100.json",
                                          _stored_table("predicted_crossover_llama8b_h100")),
