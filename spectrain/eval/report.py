@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from spectrain.eval import stats
+from spectrain.eval.hf_baselines import is_hf_spec
 from spectrain.eval.plots import plot_acceptance, plot_batch_sweep, plot_tau
 from spectrain.eval.stats import fmt_ci, fmt_value
 from spectrain.io.resources import VERSION
@@ -102,7 +103,7 @@ def make_record(drafter: str, cfg, ps, res: dict, base: dict, cost_ratio: float 
     # A pass emits tau tokens and costs at least one plain pass: a measured speedup above tau is timing noise.
     # HF's generate is another loop (its plain decoding may be faster than spectrain's): no such bound.
     rec["speedup_above_tau"] = bool(rec["measured_speedup"] is not None and tau is not None
-                                    and rec["measured_speedup"] > tau and not drafter.startswith("hf:"))
+                                    and rec["measured_speedup"] > tau and not is_hf_spec(drafter))
     if rec["speedup_above_tau"]:
         print(f"WARNING: {flag_line(rec)}", file=sys.stderr)
     if cfg.temperature == 0:
