@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
 from conftest import make_tiny_target
-from test_train import make_rows
+from test_train import losses, make_rows
 
 from spectrain.recipe.load import recipe_from_dict
 from spectrain.train import loop as T
@@ -70,3 +72,28 @@ def test_eagle3_acceptance_proxy_uses_the_full_target_distribution():
     # a reduced vocab renormalises p for the loss; the proxy keeps p's mass outside the vocab as rejected
     m = _eagle3_metrics(16)
     assert all(m[f"acc_t1_{i}"] < 1.0 - m[f"loss_{i}"] for i in range(3))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_lk_run_interrupted_then_resumed_equals_the_uninterrupted_run(tmp_path, kind):
+    """LK's lambda is computed from the micro-batch's own overlap (no state outside the weights and Adam), so a
+    SIGTERM + resume must reproduce every step's loss bitwise."""
+
+    def run(out, stop_at=None, resume=False):
+        r = _recipe(out, kind, "lk", max_steps=6)
+        r.training.checkpoint_every, r.training.eval_every, r.training.global_batch_size = 2, 0, 4
+        r.training.micro_batch_size = 2
+        if resume:
+            r.training.resume_from = "auto"
+
+        def preempt(run_, rec):
+            if run_.state["step"] == stop_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        return T.train(r, target=make_tiny_target("llama"), train_rows=make_rows(12), heldout_rows=None,
+                       on_step=preempt if stop_at else None)
+
+    run(tmp_path / "full")
+    assert run(tmp_path / "split", stop_at=3)["interrupted_by"] == signal.SIGTERM
+    assert run(tmp_path / "split", resume=True)["steps_this_run"] == 3
+    assert losses(tmp_path / "full") == losses(tmp_path / "split")
