@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Drafter quality on SmolLM2-135M-Instruct (issue 16; docs/on_policy.md): spectrain's EAGLE-3 default against
+# the public speculators 0.9.0 trainer at equal budget, the acceptance loss and draft-path rollouts for EAGLE-3,
+# and on-policy distillation for the draft model; every head decoded by spectrain's lossless decoder.
+#
+#   bash scripts/smollm2_quality_study.sh                    # all stages; each is skipped when its output exists
+#   STAGES="eval table" bash scripts/smollm2_quality_study.sh
+#
+# Needs: the real-target study's fetch / features / train stages (runs/smollm2-eagle3/best, runs/smollm2-draft/best:
+# scripts/real_target_study.sh) and, for the speculators stages, a venv with speculators 0.9.0 ($SPEC_VENV; how to
+# build it: ../shared/anchors/speculators_cpu/README.md). Every job runs on one torch thread (two run at once on a
+# 2-core machine). Stages, with the times measured on a 2-core CPU running two jobs:
+#   rows      spectrain's train + held-out rows of the EAGLE-3 recipe, as JSONL (the rows speculators trains on)
+#   specdata  the target's hidden states for those rows in speculators' offline layout, fp32 (~20 min, 1.1 GB)
+#   spec      speculators, 300 steps: its defaults (lr 1e-3) and at spectrain's lr 2e-3 (~75 min each)
+#   eagle3    spectrain EAGLE-3, unpacked, $E3_STEPS steps: fkl (the baseline), lk, rollout fraction 0.5
+#   draft     the draft model, 150 steps, on-policy fraction 0.5 (fixed data: runs/smollm2-draft/best)
+#   evalspec, evalvariants  tau per set at T=0 and T=1, chain k=3, $N prompts per set, 48 new tokens
+#   table     eval/reference/smollm2_quality.json (scripts/smollm2_quality_tables.py), rendered by gen_tables.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STAGES=${STAGES:-"rows specdata spec eagle3 draft evalspec evalvariants table"}
+W=${W:-runs/study16}
+N=${N:-10}
+E3_STEPS=${E3_STEPS:-60}
+SPEC_VENV=${SPEC_VENV:-/work/spec_venv}
+ANC=${SPECULATORS_ANCHOR:-../shared/anchors/speculators_cpu}
+export OMP_NUM_THREADS=1 SPECTRAIN_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+stage() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; SECONDS=0; }
+done_in() { echo "== $1 took ${SECONDS}s"; }
+mkdir -p "$W"
+# speculators reads an HF dir: the GGUF's dequantized copy (written by `spectrain target fetch smollm2-135m`)
+HFD=$(python -c "from spectrain.target.gguf import resolve_target_path as r; print(r('models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf'))")
+sed "s#name_or_path: models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf#name_or_path: $HFD#" \
+  recipes/smollm2-135m/eagle3.yaml > "$W/eagle3_hfdir.yaml"
+
+if has rows && [ ! -f "$W/rows/rows_meta.json" ]; then
+  stage rows; python "$ANC/export_spectrain_rows.py" --recipe "$W/eagle3_hfdir.yaml" --out "$W/rows"; done_in rows
+fi
+if has specdata && [ ! -f "$W/spec-data/harness_meta.json" ]; then
+  stage specdata
+  "$SPEC_VENV/bin/python" "$ANC/make_offline_from_rows.py" --rows "$W/rows/rows.jsonl" \
+    --token-freq "$W/rows/token_freq_train.pt" --target "$HFD" --out "$W/spec-data" --seq-len 384 \
+    --hs-dtype float32 --threads 1
+  done_in specdata
+fi
+# equal budget: the same 560 train rows (32 held-out rows as validation), draft vocab 8192 from the same counts,
+# aux layers [2, 15, 27], 300 steps of ~1,600 tokens, cosine with 20 warm-up steps, TTT 4 with decay 0.8, no
+# weight decay, fp32 hidden states; speculators keeps its own layer layout (the three norms) and AdamW betas
+spec() {  # $1: run dir, $2: lr
+  [ -f "$W/$1/summary.json" ] && return
+  stage "speculators $1"
+  "$SPEC_VENV/bin/python" "$ANC/run_speculators.py" --target "$HFD" --data "$W/spec-data" --run-dir "$W/$1" \
+    --steps 300 --ttt-steps 4 --lr "$2" --draft-vocab-size 8192 --total-seq-len 1800 --scheduler cosine \
+    --warmup-steps 20 --hs-dtype float32 --train-ratio 0.94679054 --threads 1 \
+    -- --ttt-step-loss-decay 0.8 --weight-decay 0.0 > "$W/$1.log" 2>&1
+  done_in "speculators $1"
+}
+if has spec; then for r in ${SPEC_RUNS:-spec_default:1e-3 spec_lr2e-3:2e-3}; do spec "${r%%:*}" "${r#*:}"; done; fi
+if has eagle3; then
+  stage eagle3
+  python scripts/onpolicy_study.py --family eagle3 --recipe recipes/smollm2-135m/eagle3.yaml --steps "$E3_STEPS" \
+    --work "$W" --variants fkl,lk,rollout0.5 | tee "$W/eagle3_variants.md"
+  done_in eagle3
+fi
+if has draft; then
+  stage draft
+  python scripts/onpolicy_study.py --family draft --recipe recipes/smollm2-135m/draft.yaml --steps 150 \
+    --work "$W" --variants on_policy0.5 | tee "$W/draft_variants.md"
+  done_in draft
+fi
+last_ckpt() { ls -d "$W/$1"/ckpt/[0-9]* | sort -V | tail -1; }
+link() { ln -sfn "$(realpath "$2")" "$W/heads/$1"; }
+heads() {
+  mkdir -p "$W/heads"
+  link spectrain_default runs/smollm2-eagle3/best
+  [ -d "$W/spec_default/ckpt" ] && link speculators_default "$(last_ckpt spec_default)"
+  [ -d "$W/spec_lr2e-3/ckpt" ] && link speculators_default_lr2e-3 "$(last_ckpt spec_lr2e-3)"
+  for v in fkl lk rollout0.5; do [ -d "$W/eagle3-$v-$E3_STEPS/best" ] && link "e3_$v" "$W/eagle3-$v-$E3_STEPS/best"; done
+  link draft_fixed runs/smollm2-draft/best
+  [ -d "$W/draft-on_policy0.5-150/best" ] && link draft_on_policy0.5 "$W/draft-on_policy0.5-150/best"
+  return 0
+}
+ev() {  # $1: tag of the report dir, rest: head names
+  local tag=$1; shift
+  local args=(); for h in "$@"; do args+=(--drafter "$W/heads/$h"); done
+  stage "eval$tag"
+  python -m spectrain eval --recipe smollm2-135m/eagle3 "${args[@]}" --prompts heldout --prompts mt_bench \
+    --prompts humaneval --n "$N" --max-new-tokens 48 --k 3 --temperature 0 --temperature 1 --seed 0 \
+    --out "$W/eval300$tag" --force > "$W/eval300$tag.log" 2>&1
+  done_in "eval$tag"
+}
+if has evalspec; then heads; ev -spec spectrain_default speculators_default speculators_default_lr2e-3 draft_fixed \
+  draft_on_policy0.5; fi
+if has evalvariants; then heads; ev -variants e3_fkl e3_lk e3_rollout0.5; fi
+if has table; then  # the stored tables (eval/reference/smollm2_quality.json), rendered into the docs
+  python scripts/smollm2_quality_tables.py --work "$W" && python scripts/gen_tables.py
+fi

@@ -1,0 +1,141 @@
+"""The SmolLM2 drafter-quality study's stored tables (eval/reference/smollm2_quality.json), from its eval reports
+and training logs (scripts/smollm2_quality_study.sh writes them under --work):
+
+    python scripts/smollm2_quality_tables.py --work runs/study16 [--out eval/reference/smollm2_quality.json]
+
+Tables: tau [95% CI] per head, prompt set and temperature; paired differences (spectrain compare's intervals:
+prompts matched by id, resampled jointly) of every head against each reference, with the mean over sets of the
+tau ratio; and the training cost of every run. scripts/gen_tables.py renders them into the docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from spectrain.eval.compare import compare  # noqa: E402
+
+SETS = ["heldout", "mt_bench", "humaneval"]
+# (table name, reference head, compared heads)
+PAIRED = [("sq_vs_speculators_default", "speculators_default", ["spectrain_default", "speculators_default_lr2e-3"]),
+          ("sq_vs_speculators_lr", "speculators_default_lr2e-3", ["spectrain_default"]),
+          ("sq_eagle3_vs_fkl", "e3_fkl", ["e3_lk", "e3_rollout0.5"]),
+          ("sq_draft_vs_fixed", "draft_fixed", ["draft_on_policy0.5"])]
+
+
+def records(work: Path) -> list[dict]:
+    out = []
+    for rep in sorted(work.glob("eval300*/report.json")):
+        out += [dict(r, head=Path(r["drafter"]).name) for r in json.loads(rep.read_text())["records"]]
+    return out
+
+
+def temp_of(config: str) -> str:
+    return config.rsplit("T=", 1)[1]
+
+
+def tau_table(recs: list[dict]) -> dict:
+    rows = []
+    for head in dict.fromkeys(r["head"] for r in recs):
+        for t in sorted({temp_of(r["config"]) for r in recs}):
+            cell = {r["prompt_set"]: r for r in recs if r["head"] == head and temp_of(r["config"]) == t}
+            taus = [cell[s]["tau"] for s in SETS if s in cell]
+            rows.append([head, t, *([cell[s]["tau"], *cell[s]["tau_ci"]] if s in cell else None for s in SETS),
+                         sum(taus) / len(taus) if taus else None])
+    return {"columns": ["head", "T", *SETS, "mean"], "formats": ["text", "text", *["ci:2"] * len(SETS), "num:3"],
+            "rows": rows}
+
+
+def paired_table(recs: list[dict], ref: str, heads: list[str]) -> dict | None:
+    report = lambda h: {"records": [r for r in recs if r["head"] == h]}  # noqa: E731
+    if not report(ref)["records"]:
+        return None
+    rows = []
+    for head in heads:
+        if not report(head)["records"]:
+            continue
+        cells = compare(report(ref), report(head))  # B - A = head - ref, per (config, prompt set)
+        for t in sorted({temp_of(c["config"]) for c in cells}):
+            by = {c["prompt_set"]: c for c in cells if temp_of(c["config"]) == t}
+            ratios = [by[s]["tau_b"] / by[s]["tau_a"] for s in SETS if s in by]
+            rows.append([head, t, *([by[s]["diff"], *by[s]["ci"]] if s in by else None for s in SETS),
+                         sum(ratios) / len(ratios), min(ratios)])
+    return {"columns": ["head", "T", *SETS, f"mean tau ratio vs {ref}", "lowest set ratio"],
+            "formats": ["text", "text", *["sci:2"] * len(SETS), "num:3", "num:3"], "rows": rows}
+
+
+def spectrain_run(path: Path) -> dict:
+    recs = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r and "split" not in r]
+    end = [r for r in recs if r.get("event") == "end"][-1]
+    ev = [r for r in recs if r.get("split") == "heldout"][-1]
+    cpu = path / "cpu_times.json"
+    cpu_s = json.loads(cpu.read_text())[1:] if cpu.is_file() else []
+    return {"steps": len(steps), "tokens_per_step": sum(r["tokens"] for r in steps) / len(steps),
+            "wall_s": end["wall_s"], "cpu_s_per_step": sum(cpu_s) / len(cpu_s) if cpu_s else None,
+            "heldout_acc_0": ev.get("eval/acc_0"), "heldout_proxy_t1": ev.get("eval/sim_tau_t1")}
+
+
+def speculators_run(path: Path) -> dict:
+    s = json.loads((path / "summary.json").read_text())
+    recs = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    toks = [r["profile"]["tokens_per_s"] * r["profile"]["step_ms"] / 1000 for r in recs]
+    val = s.get("val") or {}
+    return {"steps": len(recs), "tokens_per_step": sum(toks) / len(toks), "wall_s": s.get("wall_s"),
+            "cpu_s_per_step": None, "heldout_acc_0": val.get("full_acc_0"), "heldout_proxy_t1": None}
+
+
+def training_table(work: Path) -> dict:
+    runs = {"spectrain_default": ("spectrain", ROOT / "runs/smollm2-eagle3"),
+            "speculators_default": ("speculators", work / "spec_default"),
+            "speculators_default_lr2e-3": ("speculators", work / "spec_lr2e-3"),
+            **{f"e3_{v}": ("spectrain", p) for v in ("fkl", "lk", "rollout0.5")
+               for p in sorted(work.glob(f"eagle3-{v}-*"))[:1]},
+            "draft_fixed": ("spectrain", ROOT / "runs/smollm2-draft"),
+            "draft_on_policy0.5": ("spectrain", work / "draft-on_policy0.5-150")}
+    rows = []
+    for name, (kind, path) in runs.items():
+        if not path.is_dir():
+            continue
+        r = (spectrain_run if kind == "spectrain" else speculators_run)(path)
+        rows.append([name, kind, r["steps"], r["tokens_per_step"], r["wall_s"], r["cpu_s_per_step"],
+                     r["heldout_acc_0"], r["heldout_proxy_t1"]])
+    return {"columns": ["run", "trainer", "steps", "tokens / step", "wall s", "CPU s / step", "held-out acc_0",
+                        "held-out T=1 proxy tau"],
+            "formats": ["text", "text", "text", "num:0", "num:0", "num:2", "num:3", "num:2"], "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=ROOT / "eval/reference/smollm2_quality.json")
+    a = ap.parse_args(argv)
+    recs = records(a.work)
+    if not recs:
+        raise SystemExit(f"no eval300*/report.json under {a.work}: run scripts/smollm2_quality_study.sh first")
+    tables = {"sq_tau": tau_table(recs), "sq_training": training_table(a.work)}
+    for name, ref, heads in PAIRED:
+        t = paired_table(recs, ref, heads)
+        if t:
+            tables[name] = t
+    prov = {"what": "scripts/smollm2_quality_study.sh: spectrain's EAGLE-3 default against speculators 0.9.0 at equal "
+                    "budget, EAGLE-3 loss / rollout variants, draft-model on-policy distillation, on "
+                    "SmolLM2-135M-Instruct; decoded by spectrain's lossless decoder (chain k=3, 48 new tokens, seed 0)",
+            "command": "bash scripts/smollm2_quality_study.sh && python scripts/smollm2_quality_tables.py --work "
+                       "runs/study16",
+            "settings": "tau with 95% bootstrap intervals over prompts; paired tables: head - reference with the "
+                        "paired 95% interval (prompts matched by id), then the mean and the lowest of the per-set "
+                        "tau ratios",
+            "machine": "SmolLM2-135M-Instruct (fp32, dequantized GGUF), 2-core CPU, one torch thread per job, two "
+                       "jobs at a time"}
+    a.out.write_text(json.dumps({"provenance": prov, "tables": tables}, indent=1) + "\n")
+    print(f"wrote {a.out}: {', '.join(tables)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
