@@ -234,6 +234,9 @@ TABLES: dict[str, tuple[str, object]] = {
     "gpu_check_h200_sweep": ("eval/reference/gpu_check_h200.json", _stored_table("gpu_check_h200_sweep")),
     "gpu_check_h200_crossover": ("eval/reference/gpu_check_h200.json", _stored_table("gpu_check_h200_crossover")),
     **{name: (QS, _stored_table(name)) for name in QS_TABLES},
+    **{name: ("eval/reference/smollm2_quality.json", _stored_table(name)) for name in (
+        "sq_tau", "sq_training", "sq_vs_speculators_default", "sq_vs_speculators_lr", "sq_eagle3_vs_fkl",
+        "sq_draft_vs_fixed")},
 }
 
 

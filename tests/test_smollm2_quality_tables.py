@@ -1,0 +1,55 @@
+"""scripts/smollm2_quality_tables.py: tau and paired tables from eval reports (no decoding here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def sq():
+    spec = importlib.util.spec_from_file_location("sq", ROOT / "scripts" / "smollm2_quality_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _record(head: str, temp: int, pset: str, tokens: list[int], passes: list[int]) -> dict:
+    tau = sum(tokens) / sum(passes)
+    return {"drafter": f"runs/study16/heads/{head}", "config": f"k=3 T={temp}", "prompt_set": pset, "split": "x",
+            "tau": tau, "tau_ci": [tau - 0.1, tau + 0.1],
+            "per_prompt": {"tokens": tokens, "passes": passes, "ids": [f"p{i}" for i in range(len(tokens))]}}
+
+
+def _write(work: Path, tag: str, recs: list[dict]) -> None:
+    (work / f"eval300{tag}").mkdir(parents=True)
+    (work / f"eval300{tag}" / "report.json").write_text(json.dumps({"records": recs}))
+
+
+def test_paired_table_is_head_minus_reference_with_mean_and_lowest_ratio(sq, tmp_path):
+    ref = [_record("speculators_default", t, s, [48] * 4, [40] * 4) for t in (0, 1) for s in sq.SETS]
+    # spectrain: 2x the reference's tau on heldout, equal elsewhere; only T=0 decoded
+    ours = [_record("spectrain_default", 0, s, [48] * 4, [20 if s == "heldout" else 40] * 4) for s in sq.SETS]
+    _write(tmp_path, "-a", ref)
+    _write(tmp_path, "-b", ours)
+    recs = sq.records(tmp_path)
+    t = sq.paired_table(recs, "speculators_default", ["spectrain_default", "absent_head"])
+    assert [r[:2] for r in t["rows"]] == [["spectrain_default", "0"]]  # only shared cells, absent heads skipped
+    row = t["rows"][0]
+    assert row[2][0] == pytest.approx(2.4 - 1.2) and row[3][0] == pytest.approx(0.0)
+    assert row[-2] == pytest.approx((2 + 1 + 1) / 3) and row[-1] == pytest.approx(1.0)
+    tau = sq.tau_table(recs)
+    cells = {tuple(r[:2]): r for r in tau["rows"]}
+    assert cells[("spectrain_default", "0")][2][0] == pytest.approx(2.4)
+    assert cells[("spectrain_default", "1")][2:] == [None] * 4  # not decoded at T=1: no cells, no mean
+    assert sq.paired_table(recs, "missing_reference", ["spectrain_default"]) is None
+
+
+def test_no_reports_is_a_clear_error(sq, tmp_path):
+    with pytest.raises(SystemExit, match="no eval300"):
+        sq.main(["--work", str(tmp_path), "--out", str(tmp_path / "x.json")])
