@@ -213,6 +213,10 @@ QS_TABLES = [f"qs{steps}_{what}_T{t}" for steps, whats in (
     ("200", ("tau", "vs_speculators", "vs_speculators_default", "vs_speculators_default_lr2e-3")))
     for what in whats for t in (0, 1)]
 
+# the SmolLM2 quality study stores only the tables its runs produced (scripts/smollm2_quality_tables.py)
+SQ = "eval/reference/smollm2_quality.json"
+SQ_TABLES = list(json.loads((ROOT / SQ).read_text())["tables"]) if (ROOT / SQ).is_file() else []
+
 # name -> (source JSON relative to the repository root, renderer)
 TABLES: dict[str, tuple[str, object]] = {
     "headline": ("eval/reference/tiny_eagle3_demo.json", headline),
@@ -234,9 +238,7 @@ TABLES: dict[str, tuple[str, object]] = {
     "gpu_check_h200_sweep": ("eval/reference/gpu_check_h200.json", _stored_table("gpu_check_h200_sweep")),
     "gpu_check_h200_crossover": ("eval/reference/gpu_check_h200.json", _stored_table("gpu_check_h200_crossover")),
     **{name: (QS, _stored_table(name)) for name in QS_TABLES},
-    **{name: ("eval/reference/smollm2_quality.json", _stored_table(name)) for name in (
-        "sq_tau", "sq_training", "sq_vs_speculators_default", "sq_vs_speculators_lr", "sq_eagle3_vs_fkl",
-        "sq_draft_vs_fixed")},
+    **{name: (SQ, _stored_table(name)) for name in SQ_TABLES},
 }
 
 

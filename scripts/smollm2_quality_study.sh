@@ -15,11 +15,11 @@
 #   spec      speculators, 300 steps: its defaults (lr 1e-3) and at spectrain's lr 2e-3 (~75 min each)
 #   eagle3    spectrain EAGLE-3, unpacked, $E3_STEPS steps: fkl (the baseline), lk, rollout fraction 0.5
 #   draft     the draft model, 150 steps, on-policy fraction 0.5 (fixed data: runs/smollm2-draft/best)
-#   evalspec, evalvariants  tau per set at T=0 and T=1, chain k=3, $N prompts per set, 48 new tokens
+#   eval*     tau per set at T=0 and T=1, chain k=3, $N prompts per set, 48 new tokens
 #   table     eval/reference/smollm2_quality.json (scripts/smollm2_quality_tables.py), rendered by gen_tables.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGES=${STAGES:-"rows specdata spec eagle3 draft evalspec evalvariants table"}
+STAGES=${STAGES:-"rows specdata spec eagle3 draft evalspec evalvariants evaldraft table"}
 W=${W:-runs/study16}
 N=${N:-10}
 E3_STEPS=${E3_STEPS:-60}
@@ -75,8 +75,8 @@ link() { ln -sfn "$(realpath "$2")" "$W/heads/$1"; }
 heads() {
   mkdir -p "$W/heads"
   link spectrain_default runs/smollm2-eagle3/best
-  [ -d "$W/spec_default/ckpt" ] && link speculators_default "$(last_ckpt spec_default)"
-  [ -d "$W/spec_lr2e-3/ckpt" ] && link speculators_default_lr2e-3 "$(last_ckpt spec_lr2e-3)"
+  [ -f "$W/spec_default/summary.json" ] && link speculators_default "$(last_ckpt spec_default)"
+  [ -f "$W/spec_lr2e-3/summary.json" ] && link speculators_default_lr2e-3 "$(last_ckpt spec_lr2e-3)"
   for v in fkl lk rollout0.5; do [ -d "$W/eagle3-$v-$E3_STEPS/best" ] && link "e3_$v" "$W/eagle3-$v-$E3_STEPS/best"; done
   link draft_fixed runs/smollm2-draft/best
   [ -d "$W/draft-on_policy0.5-150/best" ] && link draft_on_policy0.5 "$W/draft-on_policy0.5-150/best"
@@ -91,9 +91,11 @@ ev() {  # $1: tag of the report dir, rest: head names
     --out "$W/eval300$tag" --force > "$W/eval300$tag.log" 2>&1
   done_in "eval$tag"
 }
-if has evalspec; then heads; ev -spec spectrain_default speculators_default speculators_default_lr2e-3 draft_fixed \
-  draft_on_policy0.5; fi
-if has evalvariants; then heads; ev -variants e3_fkl e3_lk e3_rollout0.5; fi
+# the reports merge by prompt id, so the heads may be decoded in several runs (SPEC_EVAL_TAG, SPEC_EVAL_HEADS)
+if has evalspec; then heads; ev "${SPEC_EVAL_TAG:--spec}" ${SPEC_EVAL_HEADS:-spectrain_default speculators_default \
+  speculators_default_lr2e-3}; fi
+if has evaldraft; then heads; ev -draft draft_fixed draft_on_policy0.5; fi
+if has evalvariants; then heads; N=${VARIANTS_N:-$N} ev -variants e3_fkl e3_lk e3_rollout0.5; fi
 if has table; then  # the stored tables (eval/reference/smollm2_quality.json), rendered into the docs
   python scripts/smollm2_quality_tables.py --work "$W" && python scripts/gen_tables.py
 fi

@@ -81,12 +81,12 @@ def spectrain_run(path: Path) -> dict:
 
 
 def speculators_run(path: Path) -> dict:
+    """run_speculators.py's summary.json: per-step tokens from speculators' own profiler, the last validation."""
     s = json.loads((path / "summary.json").read_text())
-    recs = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
-    toks = [r["profile"]["tokens_per_s"] * r["profile"]["step_ms"] / 1000 for r in recs]
-    val = s.get("val") or {}
-    return {"steps": len(recs), "tokens_per_step": sum(toks) / len(toks), "wall_s": s.get("wall_s"),
-            "cpu_s_per_step": None, "heldout_acc_0": val.get("full_acc_0"), "heldout_proxy_t1": None}
+    t, val = s["timing"], (s.get("val") or [{}])[-1]
+    return {"steps": t["steps_logged"], "tokens_per_step": t["tokens_total"] / t["steps_logged"],
+            "wall_s": t["wall_s"], "cpu_s_per_step": None, "heldout_acc_0": val.get("full_acc_0_epoch"),
+            "heldout_proxy_t1": None}
 
 
 def training_table(work: Path) -> dict:
