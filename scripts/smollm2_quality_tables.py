@@ -99,13 +99,14 @@ def training_table(work: Path) -> dict:
             "draft_on_policy0.5": ("spectrain", work / "draft-on_policy0.5-150")}
     rows = []
     for name, (kind, path) in runs.items():
-        if not path.is_dir():
+        done = (path / "summary.json") if kind == "speculators" else (path / "metrics.jsonl")
+        if not done.is_file():  # not run (or still running)
             continue
         r = (spectrain_run if kind == "spectrain" else speculators_run)(path)
         rows.append([name, kind, r["steps"], r["tokens_per_step"], r["wall_s"], r["cpu_s_per_step"],
                      r["heldout_acc_0"], r["heldout_proxy_t1"]])
-    return {"columns": ["run", "trainer", "steps", "tokens / step", "wall s", "CPU s / step", "held-out acc_0",
-                        "held-out T=1 proxy tau"],
+    return {"columns": ["run", "trainer", "steps", "tokens / step", "wall s", "CPU s / step",
+                        "held-out acc_0 (each trainer's own)", "held-out T=1 proxy tau"],
             "formats": ["text", "text", "text", "num:0", "num:0", "num:2", "num:3", "num:2"], "rows": rows}
 
 
