@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
 def qs():
-    spec = importlib.util.spec_from_file_location("quality_study", ROOT / "scripts" / "quality_study.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("quality_study")
 
 
 def _planned(qs, tmp_path, monkeypatch, steps: int, train_rows: int, **flags) -> list[list[str]]:

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
 def sq():
-    spec = importlib.util.spec_from_file_location("sq", ROOT / "scripts" / "smollm2_quality_tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("smollm2_quality_tables")
 
 
 def _record(head: str, temp: int, pset: str, tokens: list[int], passes: list[int]) -> dict:
