@@ -9,7 +9,6 @@ import pytest
 from conftest import load_script
 
 
-
 @pytest.fixture
 def sq():
     return load_script("smollm2_quality_tables")
