@@ -61,16 +61,22 @@ def train(recipe: str, name: str, overrides: list[str], steps: int, work: Path, 
     return out
 
 
-def summarize(out: Path) -> dict:
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in recs if "loss" in r and "split" not in r]
-    ev = [r for r in recs if r.get("split") == "heldout"][-1]
-    end = [r for r in recs if r.get("event") == "end"][-1]
-    cpu = json.loads((out / "cpu_times.json").read_text())[1:]  # the first step pays one-off warm-up costs
+def summarize(out: Path) -> dict | None:
+    """One run's cost and held-out proxies; None while it has not ended. CPU seconds per step come from
+    cpu_times.json (written by train() above; None for runs trained otherwise)."""
+    from spectrain.train.run_dir import read_run
+
+    run = read_run(out)
+    if run is None:
+        return None
+    steps, cpu_file = run["steps"], out / "cpu_times.json"
+    cpu = json.loads(cpu_file.read_text())[1:] if cpu_file.is_file() else []  # step 1 pays one-off warm-up
     on = [r for r in steps if r.get("on_policy") == 1.0]
-    row = {"steps": len(steps), "train_wall_s": end["wall_s"], "cpu_s_per_step": sum(cpu) / max(len(cpu), 1),
+    row = {"steps": len(steps), "train_wall_s": run["end"]["wall_s"],
+           "tokens_per_step": sum(r["tokens"] for r in steps) / max(len(steps), 1),
+           "cpu_s_per_step": sum(cpu) / len(cpu) if cpu else None,
            "gen_frac": (sum(r["gen_frac"] for r in on) / len(on)) if on and "gen_frac" in on[0] else None}
-    row.update({k: ev.get(k) for k in EVAL_KEYS})
+    row.update({k: run["heldout"].get(k) for k in EVAL_KEYS})
     return row
 
 

@@ -14,12 +14,14 @@
 #   specdata  the target's hidden states for those rows in speculators' offline layout, fp32 (~20 min, 1.1 GB)
 #   spec      speculators, 300 steps: its defaults (lr 1e-3) and at spectrain's lr 2e-3 (~75 min each)
 #   eagle3    spectrain EAGLE-3, unpacked, $E3_STEPS steps: fkl (the baseline), lk, rollout fraction 0.5
+#   eagle3lr  spectrain EAGLE-3 at speculators' optimizer (lr 1e-3, betas 0.9/0.999), unpacked, 300 steps: fkl
+#             (~65 min) and rollout fraction 0.5 (~100 min), run side by side
 #   draft     the draft model, 150 steps, on-policy fraction 0.5 (fixed data: runs/smollm2-draft/best)
 #   eval*     tau per set at T=0 and T=1, chain k=3, $N prompts per set, 48 new tokens
 #   table     eval/reference/smollm2_quality.json (scripts/smollm2_quality_tables.py), rendered by gen_tables.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGES=${STAGES:-"rows specdata spec eagle3 draft evalspec evalvariants evaldraft table"}
+STAGES=${STAGES:-"rows specdata spec eagle3 eagle3lr draft evalspec evalvariants evallr evaldraft table"}
 W=${W:-runs/study16}
 N=${N:-10}
 E3_STEPS=${E3_STEPS:-60}
@@ -29,7 +31,7 @@ export OMP_NUM_THREADS=1 SPECTRAIN_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_O
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; SECONDS=0; }
 done_in() { echo "== $1 took ${SECONDS}s"; }
-mkdir -p "$W"
+mkdir -p "$W" "$W/lr1e-3"
 # speculators reads an HF dir: the GGUF's dequantized copy (written by `spectrain target fetch smollm2-135m`)
 HFD=$(python -c "from spectrain.target.gguf import resolve_target_path as r; print(r('models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf'))")
 sed "s#name_or_path: models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf#name_or_path: $HFD#" \
@@ -64,6 +66,16 @@ if has eagle3; then
     --work "$W" --variants fkl,lk,rollout0.5 | tee "$W/eagle3_variants.md"
   done_in eagle3
 fi
+if has eagle3lr; then  # two jobs at once, one per core
+  stage eagle3lr
+  for v in fkl rollout0.5; do
+    python scripts/onpolicy_study.py --family eagle3 --recipe recipes/smollm2-135m/eagle3.yaml --steps 300 \
+      --work "$W/lr1e-3" --variants $v --set training.lr=1e-3 "training.adam_betas=[0.9,0.999]" \
+      training.checkpoint_every=50 > "$W/lr1e-3/$v.log" 2>&1 &
+  done
+  wait
+  done_in eagle3lr
+fi
 if has draft; then
   stage draft
   python scripts/onpolicy_study.py --family draft --recipe recipes/smollm2-135m/draft.yaml --steps 150 \
@@ -78,6 +90,7 @@ heads() {
   [ -f "$W/spec_default/summary.json" ] && link speculators_default "$(last_ckpt spec_default)"
   [ -f "$W/spec_lr2e-3/summary.json" ] && link speculators_default_lr2e-3 "$(last_ckpt spec_lr2e-3)"
   for v in fkl lk rollout0.5; do [ -d "$W/eagle3-$v-$E3_STEPS/best" ] && link "e3_$v" "$W/eagle3-$v-$E3_STEPS/best"; done
+  for v in fkl rollout0.5; do [ -d "$W/lr1e-3/eagle3-$v-300/best" ] && link "e3_lr1e-3_$v" "$W/lr1e-3/eagle3-$v-300/best"; done
   link draft_fixed runs/smollm2-draft/best
   [ -d "$W/draft-on_policy0.5-150/best" ] && link draft_on_policy0.5 "$W/draft-on_policy0.5-150/best"
   return 0
@@ -96,6 +109,7 @@ if has evalspec; then heads; ev "${SPEC_EVAL_TAG:--spec}" ${SPEC_EVAL_HEADS:-spe
   speculators_default_lr2e-3}; fi
 if has evaldraft; then heads; ev -draft draft_fixed draft_on_policy0.5; fi
 if has evalvariants; then heads; N=${VARIANTS_N:-$N} ev -variants e3_fkl e3_lk e3_rollout0.5; fi
+if has evallr; then heads; ev -lr e3_lr1e-3_fkl e3_lr1e-3_rollout0.5; fi
 if has table; then  # the stored tables (eval/reference/smollm2_quality.json), rendered into the docs
   python scripts/smollm2_quality_tables.py --work "$W" && python scripts/gen_tables.py
 fi

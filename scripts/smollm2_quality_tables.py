@@ -17,12 +17,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from onpolicy_study import summarize  # noqa: E402
+
 from spectrain.eval.compare import compare  # noqa: E402
 
 SETS = ["heldout", "mt_bench", "humaneval"]
 # (table name, reference head, compared heads)
-PAIRED = [("sq_vs_speculators_default", "speculators_default", ["spectrain_default", "speculators_default_lr2e-3"]),
+LR = ["e3_lr1e-3_fkl", "e3_lr1e-3_rollout0.5"]  # spectrain at speculators' optimizer, 300 steps, unpacked
+PAIRED = [("sq_vs_speculators_default", "speculators_default",
+           ["spectrain_default", *LR, "speculators_default_lr2e-3"]),
           ("sq_vs_speculators_lr", "speculators_default_lr2e-3", ["spectrain_default"]),
+          ("sq_vs_spectrain_default", "spectrain_default", LR),
+          ("sq_rollout_vs_fkl", "e3_lr1e-3_fkl", ["e3_lr1e-3_rollout0.5"]),
           ("sq_eagle3_vs_fkl", "e3_fkl", ["e3_lk", "e3_rollout0.5"]),
           ("sq_draft_vs_fixed", "draft_fixed", ["draft_on_policy0.5"])]
 
@@ -65,23 +72,21 @@ def paired_table(recs: list[dict], ref: str, heads: list[str]) -> dict | None:
             rows.append([head, t, *([by[s]["diff"], *by[s]["ci"]] if s in by else None for s in SETS),
                          sum(ratios) / len(ratios), min(ratios)])
     return {"columns": ["head", "T", *SETS, f"mean tau ratio vs {ref}", "lowest set ratio"],
-            "formats": ["text", "text", *["sci:2"] * len(SETS), "num:3", "num:3"], "rows": rows}
+            "formats": ["text", "text", *["sci:2"] * len(SETS), "num:3", "num:3"], "rows": rows} if rows else None
 
 
-def spectrain_run(path: Path) -> dict:
-    recs = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in recs if "loss" in r and "split" not in r]
-    end = [r for r in recs if r.get("event") == "end"][-1]
-    ev = [r for r in recs if r.get("split") == "heldout"][-1]
-    cpu = path / "cpu_times.json"
-    cpu_s = json.loads(cpu.read_text())[1:] if cpu.is_file() else []
-    return {"steps": len(steps), "tokens_per_step": sum(r["tokens"] for r in steps) / len(steps),
-            "wall_s": end["wall_s"], "cpu_s_per_step": sum(cpu_s) / len(cpu_s) if cpu_s else None,
-            "heldout_acc_0": ev.get("eval/acc_0"), "heldout_proxy_t1": ev.get("eval/sim_tau_t1")}
+def spectrain_run(path: Path) -> dict | None:
+    """onpolicy_study.summarize, renamed to this table's keys; None while the run has not ended."""
+    r = summarize(path)
+    return r and {"steps": r["steps"], "tokens_per_step": r["tokens_per_step"], "wall_s": r["train_wall_s"],
+                  "cpu_s_per_step": r["cpu_s_per_step"], "heldout_acc_0": r["eval/acc_0"],
+                  "heldout_proxy_t1": r["eval/sim_tau_t1"]}
 
 
-def speculators_run(path: Path) -> dict:
+def speculators_run(path: Path) -> dict | None:
     """run_speculators.py's summary.json: per-step tokens from speculators' own profiler, the last validation."""
+    if not (path / "summary.json").is_file():
+        return None
     s = json.loads((path / "summary.json").read_text())
     t, val = s["timing"], (s.get("val") or [{}])[-1]
     return {"steps": t["steps_logged"], "tokens_per_step": t["tokens_total"] / t["steps_logged"],
@@ -95,14 +100,14 @@ def training_table(work: Path) -> dict:
             "speculators_default_lr2e-3": ("speculators", work / "spec_lr2e-3"),
             **{f"e3_{v}": ("spectrain", p) for v in ("fkl", "lk", "rollout0.5")
                for p in sorted(work.glob(f"eagle3-{v}-*"))[:1]},
+            **{f"e3_lr1e-3_{v}": ("spectrain", work / f"lr1e-3/eagle3-{v}-300") for v in ("fkl", "rollout0.5")},
             "draft_fixed": ("spectrain", ROOT / "runs/smollm2-draft"),
             "draft_on_policy0.5": ("spectrain", work / "draft-on_policy0.5-150")}
     rows = []
     for name, (kind, path) in runs.items():
-        done = (path / "summary.json") if kind == "speculators" else (path / "metrics.jsonl")
-        if not done.is_file():  # not run (or still running)
+        r = spectrain_run(path) if kind == "spectrain" else speculators_run(path)
+        if r is None:  # not run, or still running
             continue
-        r = (spectrain_run if kind == "spectrain" else speculators_run)(path)
         rows.append([name, kind, r["steps"], r["tokens_per_step"], r["wall_s"], r["cpu_s_per_step"],
                      r["heldout_acc_0"], r["heldout_proxy_t1"]])
     return {"columns": ["run", "trainer", "steps", "tokens / step", "wall s", "CPU s / step",

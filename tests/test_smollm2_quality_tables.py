@@ -48,3 +48,20 @@ def test_paired_table_is_head_minus_reference_with_mean_and_lowest_ratio(sq, tmp
 def test_no_reports_is_a_clear_error(sq, tmp_path):
     with pytest.raises(SystemExit, match="no eval300"):
         sq.main(["--work", str(tmp_path), "--out", str(tmp_path / "x.json")])
+
+
+def test_training_table_skips_runs_that_have_not_ended(sq, tmp_path):
+    def run(path: Path, ended: bool) -> None:
+        path.mkdir(parents=True)
+        recs = [{"step": s, "loss": 1.0, "tokens": 100 * s} for s in (1, 2)]
+        recs += [{"step": 2, "split": "heldout", "eval/acc_0": 0.3, "eval/sim_tau_t1": 1.2}]
+        recs += [{"event": "end", "wall_s": 7.0}] if ended else []
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (path / "cpu_times.json").write_text(json.dumps([9.0, 2.0, 4.0]))
+
+    run(tmp_path / "lr1e-3/eagle3-fkl-300", ended=True)
+    run(tmp_path / "lr1e-3/eagle3-rollout0.5-300", ended=False)  # still training: no end record
+    rows = {r[0]: r for r in sq.training_table(tmp_path)["rows"]}
+    assert "e3_lr1e-3_rollout0.5" not in rows
+    # steps, tokens / step, wall s, CPU s / step (the first step's warm-up left out), acc_0, T=1 proxy
+    assert rows["e3_lr1e-3_fkl"][2:] == [2, 150.0, 7.0, 3.0, 0.3, 1.2]

@@ -183,6 +183,20 @@ def _atomic_write_text(path: Path, text: str) -> None:
     write_text_safe(path, text)
 
 
+def read_run(run_dir: str | Path) -> dict | None:
+    """A finished run's metrics.jsonl, for the study scripts: its optimizer-step records, the last held-out
+    eval and the end record; None while the run has not ended (no end record yet)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    ends = [r for r in recs if r.get("event") == "end"]
+    if not ends:
+        return None
+    return {"steps": [r for r in recs if "loss" in r and "split" not in r],
+            "heldout": ([r for r in recs if r.get("split") == "heldout"] or [{}])[-1], "end": ends[-1]}
+
+
 def truncate_metrics(path: Path, step: int) -> None:
     """On resume, drop records the interrupted run logged after its last checkpoint (they are redone)."""
     if not path.is_file():
