@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 # EAGLE-3 runs unpacked: the rollout option does not support packing yet, and the baseline must match it
 VARIANTS: dict[str, dict[str, list[str]]] = {
-    "eagle3": {"fkl": ["training.packing=false"],
+    "eagle3": {"packed": [],  # the recipe as it is (packing is the EAGLE-3 recipes' default)
+               "fkl": ["training.packing=false"],
                "accept": ["training.packing=false", "drafter.loss=accept"],
                "lk": ["training.packing=false", "drafter.loss=lk"],
                "rollout0.5": ["training.packing=false", "drafter.eagle3.rollout.fraction=0.5"],

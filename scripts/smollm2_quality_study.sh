@@ -14,8 +14,8 @@
 #   specdata  the target's hidden states for those rows in speculators' offline layout, fp32 (~20 min, 1.1 GB)
 #   spec      speculators, 300 steps: its defaults (lr 1e-3) and at spectrain's lr 2e-3 (~75 min each)
 #   eagle3    spectrain EAGLE-3, unpacked, $E3_STEPS steps: fkl (the baseline), lk, rollout fraction 0.5
-#   eagle3lr  spectrain EAGLE-3 at speculators' optimizer (lr 1e-3, betas 0.9/0.999), unpacked, 300 steps: fkl
-#             (~65 min) and rollout fraction 0.5 (~100 min), run side by side
+#   eagle3lr  spectrain EAGLE-3 at speculators' optimizer (lr 1e-3, betas 0.9/0.999), 300 steps: unpacked fkl
+#             (~65 min) then packed (the recipe as it is), beside unpacked rollout fraction 0.5 (~100 min)
 #   draft     the draft model, 150 steps, on-policy fraction 0.5 (fixed data: runs/smollm2-draft/best)
 #   eval*     tau per set at T=0 and T=1, chain k=3, $N prompts per set, 48 new tokens
 #   table     eval/reference/smollm2_quality.json (scripts/smollm2_quality_tables.py), rendered by gen_tables.py
@@ -68,10 +68,10 @@ if has eagle3; then
 fi
 if has eagle3lr; then  # two jobs at once, one per core
   stage eagle3lr
-  for v in fkl rollout0.5; do
+  for v in fkl,packed rollout0.5; do
     python scripts/onpolicy_study.py --family eagle3 --recipe recipes/smollm2-135m/eagle3.yaml --steps 300 \
       --work "$W/lr1e-3" --variants $v --set training.lr=1e-3 "training.adam_betas=[0.9,0.999]" \
-      training.checkpoint_every=50 > "$W/lr1e-3/$v.log" 2>&1 &
+      training.checkpoint_every=50 > "$W/lr1e-3/${v%%,*}.log" 2>&1 &
   done
   wait
   done_in eagle3lr
@@ -90,7 +90,7 @@ heads() {
   [ -f "$W/spec_default/summary.json" ] && link speculators_default "$(last_ckpt spec_default)"
   [ -f "$W/spec_lr2e-3/summary.json" ] && link speculators_default_lr2e-3 "$(last_ckpt spec_lr2e-3)"
   for v in fkl lk rollout0.5; do [ -d "$W/eagle3-$v-$E3_STEPS/best" ] && link "e3_$v" "$W/eagle3-$v-$E3_STEPS/best"; done
-  for v in fkl rollout0.5; do [ -d "$W/lr1e-3/eagle3-$v-300/best" ] && link "e3_lr1e-3_$v" "$W/lr1e-3/eagle3-$v-300/best"; done
+  for v in fkl packed rollout0.5; do [ -d "$W/lr1e-3/eagle3-$v-300/best" ] && link "e3_lr1e-3_$v" "$W/lr1e-3/eagle3-$v-300/best"; done
   link draft_fixed runs/smollm2-draft/best
   [ -d "$W/draft-on_policy0.5-150/best" ] && link draft_on_policy0.5 "$W/draft-on_policy0.5-150/best"
   return 0
@@ -109,7 +109,7 @@ if has evalspec; then heads; ev "${SPEC_EVAL_TAG:--spec}" ${SPEC_EVAL_HEADS:-spe
   speculators_default_lr2e-3}; fi
 if has evaldraft; then heads; ev -draft draft_fixed draft_on_policy0.5; fi
 if has evalvariants; then heads; N=${VARIANTS_N:-$N} ev -variants e3_fkl e3_lk e3_rollout0.5; fi
-if has evallr; then heads; ev -lr e3_lr1e-3_fkl e3_lr1e-3_rollout0.5; fi
+if has evallr; then heads; ev -lr e3_lr1e-3_fkl e3_lr1e-3_rollout0.5 e3_lr1e-3_packed; fi
 if has table; then  # the stored tables (eval/reference/smollm2_quality.json), rendered into the docs
   python scripts/smollm2_quality_tables.py --work "$W" && python scripts/gen_tables.py
 fi

@@ -24,7 +24,8 @@ from spectrain.eval.compare import compare  # noqa: E402
 
 SETS = ["heldout", "mt_bench", "humaneval"]
 # (table name, reference head, compared heads)
-LR = ["e3_lr1e-3_fkl", "e3_lr1e-3_rollout0.5"]  # spectrain at speculators' optimizer, 300 steps, unpacked
+# spectrain at speculators' optimizer (lr 1e-3, betas 0.999), 300 steps: unpacked fkl / rollouts, and packed
+LR = ["e3_lr1e-3_packed", "e3_lr1e-3_fkl", "e3_lr1e-3_rollout0.5"]
 PAIRED = [("sq_vs_speculators_default", "speculators_default",
            ["spectrain_default", *LR, "speculators_default_lr2e-3"]),
           ("sq_vs_speculators_lr", "speculators_default_lr2e-3", ["spectrain_default"]),
@@ -100,7 +101,7 @@ def training_table(work: Path) -> dict:
             "speculators_default_lr2e-3": ("speculators", work / "spec_lr2e-3"),
             **{f"e3_{v}": ("spectrain", p) for v in ("fkl", "lk", "rollout0.5")
                for p in sorted(work.glob(f"eagle3-{v}-*"))[:1]},
-            **{f"e3_lr1e-3_{v}": ("spectrain", work / f"lr1e-3/eagle3-{v}-300") for v in ("fkl", "rollout0.5")},
+            **{f"e3_lr1e-3_{v}": ("spectrain", work / f"lr1e-3/eagle3-{v}-300") for v in ("packed", "fkl", "rollout0.5")},
             "draft_fixed": ("spectrain", ROOT / "runs/smollm2-draft"),
             "draft_on_policy0.5": ("spectrain", work / "draft-on_policy0.5-150")}
     rows = []
