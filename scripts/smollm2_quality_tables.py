@@ -76,23 +76,16 @@ def paired_table(recs: list[dict], ref: str, heads: list[str]) -> dict | None:
             "formats": ["text", "text", *["sci:2"] * len(SETS), "num:3", "num:3"], "rows": rows} if rows else None
 
 
-def spectrain_run(path: Path) -> dict | None:
-    """onpolicy_study.summarize, renamed to this table's keys; None while the run has not ended."""
-    r = summarize(path)
-    return r and {"steps": r["steps"], "tokens_per_step": r["tokens_per_step"], "wall_s": r["train_wall_s"],
-                  "cpu_s_per_step": r["cpu_s_per_step"], "heldout_acc_0": r["eval/acc_0"],
-                  "heldout_proxy_t1": r["eval/sim_tau_t1"]}
-
-
 def speculators_run(path: Path) -> dict | None:
-    """run_speculators.py's summary.json: per-step tokens from speculators' own profiler, the last validation."""
+    """run_speculators.py's summary.json in onpolicy_study.summarize's keys: per-step tokens from speculators' own
+    profiler, the last validation; None while the run has not ended."""
     if not (path / "summary.json").is_file():
         return None
     s = json.loads((path / "summary.json").read_text())
     t, val = s["timing"], (s.get("val") or [{}])[-1]
     return {"steps": t["steps_logged"], "tokens_per_step": t["tokens_total"] / t["steps_logged"],
-            "wall_s": t["wall_s"], "cpu_s_per_step": None, "heldout_acc_0": val.get("full_acc_0_epoch"),
-            "heldout_proxy_t1": None}
+            "train_wall_s": t["wall_s"], "cpu_s_per_step": None, "eval/acc_0": val.get("full_acc_0_epoch"),
+            "eval/sim_tau_t1": None}
 
 
 def training_table(work: Path) -> dict:
@@ -106,11 +99,11 @@ def training_table(work: Path) -> dict:
             "draft_on_policy0.5": ("spectrain", work / "draft-on_policy0.5-150")}
     rows = []
     for name, (kind, path) in runs.items():
-        r = spectrain_run(path) if kind == "spectrain" else speculators_run(path)
+        r = summarize(path) if kind == "spectrain" else speculators_run(path)
         if r is None:  # not run, or still running
             continue
-        rows.append([name, kind, r["steps"], r["tokens_per_step"], r["wall_s"], r["cpu_s_per_step"],
-                     r["heldout_acc_0"], r["heldout_proxy_t1"]])
+        rows.append([name, kind, *(r[k] for k in ("steps", "tokens_per_step", "train_wall_s", "cpu_s_per_step",
+                                                   "eval/acc_0", "eval/sim_tau_t1"))])
     return {"columns": ["run", "trainer", "steps", "tokens / step", "wall s", "CPU s / step",
                         "held-out acc_0 (each trainer's own)", "held-out T=1 proxy tau"],
             "formats": ["text", "text", "text", "num:0", "num:0", "num:2", "num:3", "num:2"], "rows": rows}
