@@ -29,6 +29,7 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                "fkl": ["training.packing=false"],
                "accept": ["training.packing=false", "drafter.loss=accept"],
                "lk": ["training.packing=false", "drafter.loss=lk"],
+               "lk_packed": ["drafter.loss=lk"],  # the recipe as it is but for the loss
                "rollout0.5": ["training.packing=false", "drafter.eagle3.rollout.fraction=0.5"],
                "rollout1.0": ["training.packing=false", "drafter.eagle3.rollout.fraction=1.0"]},
     "medusa": {"fkl": [], "accept": ["drafter.loss=accept"], "lk": ["drafter.loss=lk"]},

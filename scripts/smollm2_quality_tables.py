@@ -6,6 +6,12 @@ and training logs (scripts/smollm2_quality_study.sh writes them under --work):
 Tables: tau [95% CI] per head, prompt set and temperature; paired differences (spectrain compare's intervals:
 prompts matched by id, resampled jointly) of every head against each reference, with the mean over sets of the
 tau ratio; and the training cost of every run. scripts/gen_tables.py renders them into the docs.
+
+Sessions do not keep each other's run directories, so what one decodes must stay usable by the next: every
+record read is also stored, compactly (per-prompt counts and prompt ids, enough for the paired intervals), in
+eval/reference/smollm2_quality_records.json, and a later session pairs its new heads with those without
+retraining them. Table rows of heads that are neither in the reports nor in the stored records (decoded before
+records were stored) are kept from the previous tables as they were.
 """
 
 from __future__ import annotations
@@ -32,14 +38,32 @@ PAIRED = [("sq_vs_speculators_default", "speculators_default",
           ("sq_vs_spectrain_default", "spectrain_default", LR),
           ("sq_rollout_vs_fkl", "e3_lr1e-3_fkl", ["e3_lr1e-3_rollout0.5"]),
           ("sq_eagle3_vs_fkl", "e3_fkl", ["e3_lk", "e3_rollout0.5"]),
+          ("sq_lk_vs_rerun", "e3_default_rerun", ["e3_lk_packed"]),
           ("sq_draft_vs_fixed", "draft_fixed", ["draft_on_policy0.5"])]
 
 
-def records(work: Path) -> list[dict]:
-    out = []
-    for rep in sorted(work.glob("eval300*/report.json")):
-        out += [dict(r, head=Path(r["drafter"]).name) for r in json.loads(rep.read_text())["records"]]
-    return out
+RECORDS = ROOT / "eval/reference/smollm2_quality_records.json"
+RECORD_KEYS = ("head", "drafter", "config", "prompt_set", "split", "tau", "tau_ci", "per_prompt")
+
+
+def records(work: Path, stored: Path | None = None) -> list[dict]:
+    """The work dir's eval records, then the stored ones of every (head, config, prompt set) it lacks."""
+    key = lambda r: (r["head"], r["config"], r["prompt_set"])  # noqa: E731
+    old = json.loads(stored.read_text())["records"] if stored and stored.is_file() else []
+    out = {key(r): r for r in old}
+    for rep in sorted(work.glob("eval300*/report.json")):  # a head decoded again replaces its stored record
+        out.update((key(r), r) for r in ({k: r.get(k) for k in RECORD_KEYS[1:]} | {"head": Path(r["drafter"]).name}
+                                         for r in json.loads(rep.read_text())["records"]))
+    return list(out.values())
+
+
+def merge_rows(old: dict | None, new: dict | None) -> dict | None:
+    """``new``'s rows, and ``old``'s rows whose (first two cells) key ``new`` lacks, in ``old``'s order."""
+    if old is None or new is None or old["columns"] != new["columns"]:
+        return new or old
+    fresh = {tuple(r[:2]): r for r in new["rows"]}
+    rows = [fresh.pop(tuple(r[:2]), r) for r in old["rows"]]
+    return dict(new, rows=rows + list(fresh.values()))
 
 
 def temp_of(config: str) -> str:
@@ -95,6 +119,8 @@ def training_table(work: Path) -> dict:
             **{f"e3_{v}": ("spectrain", p) for v in ("fkl", "lk", "rollout0.5")
                for p in sorted(work.glob(f"eagle3-{v}-*"))[:1]},
             **{f"e3_lr1e-3_{v}": ("spectrain", work / f"lr1e-3/eagle3-{v}-300") for v in ("packed", "fkl", "rollout0.5")},
+            "e3_default_rerun": ("spectrain", work / "lk/eagle3-packed-300"),
+            "e3_lk_packed": ("spectrain", work / "lk/eagle3-lk_packed-300"),
             "draft_fixed": ("spectrain", ROOT / "runs/smollm2-draft"),
             "draft_on_policy0.5": ("spectrain", work / "draft-on_policy0.5-150")}
     rows = []
@@ -113,15 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=ROOT / "eval/reference/smollm2_quality.json")
+    ap.add_argument("--records", type=Path, default=RECORDS, help="the stored per-prompt records (read and rewritten)")
     a = ap.parse_args(argv)
-    recs = records(a.work)
-    if not recs:
+    if not any(a.work.glob("eval300*/report.json")):
         raise SystemExit(f"no eval300*/report.json under {a.work}: run scripts/smollm2_quality_study.sh first")
-    tables = {"sq_tau": tau_table(recs), "sq_training": training_table(a.work)}
-    for name, ref, heads in PAIRED:
-        t = paired_table(recs, ref, heads)
-        if t:
-            tables[name] = t
+    recs = records(a.work, a.records)
+    old = json.loads(a.out.read_text())["tables"] if a.out.is_file() else {}
+    new = {"sq_tau": tau_table(recs), "sq_training": training_table(a.work),
+           **{name: paired_table(recs, ref, heads) for name, ref, heads in PAIRED}}
+    tables = {n: t for n in dict.fromkeys([*old, *new]) if (t := merge_rows(old.get(n), new.get(n)))}
     prov = {"what": "scripts/smollm2_quality_study.sh: spectrain's EAGLE-3 default against speculators 0.9.0 at equal "
                     "budget, EAGLE-3 loss / rollout variants, draft-model on-policy distillation, on "
                     "SmolLM2-135M-Instruct; decoded by spectrain's lossless decoder (chain k=3, 48 new tokens, seed 0)",
@@ -133,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             "machine": "SmolLM2-135M-Instruct (fp32, dequantized GGUF), 2-core CPU, one torch thread per job, two "
                        "jobs at a time"}
     a.out.write_text(json.dumps({"provenance": prov, "tables": tables}, indent=1) + "\n")
-    print(f"wrote {a.out}: {', '.join(tables)}")
+    a.records.write_text(json.dumps({"what": "per-prompt records of every head decoded by "
+                                             "scripts/smollm2_quality_study.sh (read by smollm2_quality_tables.py)",
+                                     "records": recs}) + "\n")
+    print(f"wrote {a.out}: {', '.join(tables)}; {a.records}: {len(recs)} records")
     return 0
 
 

@@ -65,3 +65,28 @@ def test_training_table_skips_runs_that_have_not_ended(sq, tmp_path):
     assert "e3_lr1e-3_rollout0.5" not in rows
     # steps, tokens / step, wall s, CPU s / step (the first step's warm-up left out), acc_0, T=1 proxy
     assert rows["e3_lr1e-3_fkl"][2:] == [2, 150.0, 7.0, 3.0, 0.3, 1.2]
+
+
+def test_a_later_session_pairs_new_heads_with_stored_records_and_keeps_older_rows(sq, tmp_path):
+    """Run dirs do not outlive a session: the records stored by one run of the script are paired with the
+    next session's new heads, and table rows with neither reports nor records are carried over as they were."""
+    out, stored = tmp_path / "tables.json", tmp_path / "records.json"
+    old_row = ["spectrain_default", "0", [1.7, 1.5, 1.9], None, None, 1.4]
+    out.write_text(json.dumps({"tables": {"sq_tau": {"columns": ["head", "T", *sq.SETS, "mean"], "formats": [],
+                                                     "rows": [old_row]}}}))
+    first, second = tmp_path / "s1", tmp_path / "s2"
+    _write(first, "-a", [_record("e3_default_rerun", 0, s, [48] * 4, [40] * 4) for s in sq.SETS])
+    _write(second, "-b", [_record("e3_lk_packed", 0, s, [48] * 4, [30] * 4) for s in sq.SETS])
+    sq.main(["--work", str(first), "--out", str(out), "--records", str(stored)])
+    sq.main(["--work", str(second), "--out", str(out), "--records", str(stored)])
+    tables = json.loads(out.read_text())["tables"]
+    assert [r[0] for r in tables["sq_tau"]["rows"]] == ["spectrain_default", "e3_default_rerun", "e3_lk_packed"]
+    assert tables["sq_tau"]["rows"][0] == old_row
+    paired = tables["sq_lk_vs_rerun"]["rows"]
+    assert [r[:2] for r in paired] == [["e3_lk_packed", "0"]] and paired[0][-2] == pytest.approx(40 / 30)
+    assert {r["head"] for r in json.loads(stored.read_text())["records"]} == {"e3_default_rerun", "e3_lk_packed"}
+    # decoding a head again replaces its stored records rather than adding to them
+    _write(tmp_path / "s3", "-c", [_record("e3_lk_packed", 0, s, [48] * 4, [40] * 4) for s in sq.SETS])
+    sq.main(["--work", str(tmp_path / "s3"), "--out", str(out), "--records", str(stored)])
+    recs = json.loads(stored.read_text())["records"]
+    assert len(recs) == 6 and json.loads(out.read_text())["tables"]["sq_lk_vs_rerun"]["rows"][0][-2] == pytest.approx(1.0)
