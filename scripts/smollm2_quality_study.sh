@@ -18,12 +18,13 @@
 #             (~65 min) then packed (the recipe as it is), beside unpacked rollout fraction 0.5 (~100 min)
 #   lk        the recipe as it is (a rerun of spectrain's default, on one thread) beside the same with
 #             drafter.loss=lk, 300 steps, packed, one job per core (~60 min)
+#   medusa    Medusa, the recipe as it is (fkl) beside drafter.loss=lk, 100 steps, one job per core (~35 min)
 #   draft     the draft model, 150 steps, on-policy fraction 0.5 (fixed data: runs/smollm2-draft/best)
 #   eval*     tau per set at T=0 and T=1, chain k=3, $N prompts per set, 48 new tokens
 #   table     eval/reference/smollm2_quality.json (scripts/smollm2_quality_tables.py), rendered by gen_tables.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGES=${STAGES:-"rows specdata spec eagle3 eagle3lr lk draft evalspec evalvariants evallr evallk evaldraft table"}
+STAGES=${STAGES:-"rows specdata spec eagle3 eagle3lr lk medusa draft evalspec evalvariants evallr evallk evalmedusa evaldraft table"}
 W=${W:-runs/study16}
 N=${N:-10}
 E3_STEPS=${E3_STEPS:-60}
@@ -33,7 +34,7 @@ export OMP_NUM_THREADS=1 SPECTRAIN_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_O
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; SECONDS=0; }
 done_in() { echo "== $1 took ${SECONDS}s"; }
-mkdir -p "$W" "$W/lr1e-3" "$W/lk"
+mkdir -p "$W" "$W/lr1e-3" "$W/lk" "$W/medusa"
 # speculators reads an HF dir: the GGUF's dequantized copy (written by `spectrain target fetch smollm2-135m`)
 HFD=$(python -c "from spectrain.target.gguf import resolve_target_path as r; print(r('models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf'))")
 sed "s#name_or_path: models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf#name_or_path: $HFD#" \
@@ -88,6 +89,15 @@ if has lk; then  # two jobs at once, one per core; resumable (a stopped stage co
   wait
   done_in lk
 fi
+if has medusa; then
+  stage medusa
+  for v in fkl lk; do
+    python scripts/onpolicy_study.py --family medusa --recipe recipes/smollm2-135m/medusa.yaml --steps 100 \
+      --work "$W/medusa" --variants $v --set training.resume_from=auto > "$W/medusa/$v.log" 2>&1 &
+  done
+  wait
+  done_in medusa
+fi
 if has draft; then
   stage draft
   python scripts/onpolicy_study.py --family draft --recipe recipes/smollm2-135m/draft.yaml --steps 150 \
@@ -98,14 +108,15 @@ last_ckpt() { ls -d "$W/$1"/ckpt/[0-9]* | sort -V | tail -1; }
 link() { ln -sfn "$(realpath "$2")" "$W/heads/$1"; }
 heads() {
   mkdir -p "$W/heads"
-  link spectrain_default runs/smollm2-eagle3/best
+  [ -d runs/smollm2-eagle3/best ] && link spectrain_default runs/smollm2-eagle3/best
   [ -f "$W/spec_default/summary.json" ] && link speculators_default "$(last_ckpt spec_default)"
   [ -f "$W/spec_lr2e-3/summary.json" ] && link speculators_default_lr2e-3 "$(last_ckpt spec_lr2e-3)"
   for v in fkl lk rollout0.5; do [ -d "$W/eagle3-$v-$E3_STEPS/best" ] && link "e3_$v" "$W/eagle3-$v-$E3_STEPS/best"; done
   for v in fkl packed rollout0.5; do [ -d "$W/lr1e-3/eagle3-$v-300/best" ] && link "e3_lr1e-3_$v" "$W/lr1e-3/eagle3-$v-300/best"; done
   [ -d "$W/lk/eagle3-packed-300/best" ] && link e3_default_rerun "$W/lk/eagle3-packed-300/best"
   [ -d "$W/lk/eagle3-lk_packed-300/best" ] && link e3_lk_packed "$W/lk/eagle3-lk_packed-300/best"
-  link draft_fixed runs/smollm2-draft/best
+  for v in fkl lk; do [ -d "$W/medusa/medusa-$v-100/best" ] && link "medusa_$v" "$W/medusa/medusa-$v-100/best"; done
+  [ -d runs/smollm2-draft/best ] && link draft_fixed runs/smollm2-draft/best
   [ -d "$W/draft-on_policy0.5-150/best" ] && link draft_on_policy0.5 "$W/draft-on_policy0.5-150/best"
   return 0
 }
@@ -124,6 +135,7 @@ if has evalspec; then heads; ev "${SPEC_EVAL_TAG:--spec}" ${SPEC_EVAL_HEADS:-spe
 if has evaldraft; then heads; ev -draft draft_fixed draft_on_policy0.5; fi
 if has evalvariants; then heads; N=${VARIANTS_N:-$N} ev -variants e3_fkl e3_lk e3_rollout0.5; fi
 if has evallr; then heads; ev -lr e3_lr1e-3_fkl e3_lr1e-3_rollout0.5 e3_lr1e-3_packed; fi
+if has evalmedusa; then heads; ev -medusa-a medusa_fkl & ev -medusa-b medusa_lk & wait; fi
 if has evallk; then heads; ev -lk-a e3_default_rerun & ev -lk-b e3_lk_packed & wait; fi  # one job per core
 if has table; then  # the stored tables (eval/reference/smollm2_quality.json), rendered into the docs
   python scripts/smollm2_quality_tables.py --work "$W" && python scripts/gen_tables.py

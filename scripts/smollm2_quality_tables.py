@@ -39,6 +39,7 @@ PAIRED = [("sq_vs_speculators_default", "speculators_default",
           ("sq_rollout_vs_fkl", "e3_lr1e-3_fkl", ["e3_lr1e-3_rollout0.5"]),
           ("sq_eagle3_vs_fkl", "e3_fkl", ["e3_lk", "e3_rollout0.5"]),
           ("sq_lk_vs_rerun", "e3_default_rerun", ["e3_lk_packed"]),
+          ("sq_medusa_lk_vs_fkl", "medusa_fkl", ["medusa_lk"]),
           ("sq_draft_vs_fixed", "draft_fixed", ["draft_on_policy0.5"])]
 
 
@@ -121,6 +122,7 @@ def training_table(work: Path) -> dict:
             **{f"e3_lr1e-3_{v}": ("spectrain", work / f"lr1e-3/eagle3-{v}-300") for v in ("packed", "fkl", "rollout0.5")},
             "e3_default_rerun": ("spectrain", work / "lk/eagle3-packed-300"),
             "e3_lk_packed": ("spectrain", work / "lk/eagle3-lk_packed-300"),
+            **{f"medusa_{v}": ("spectrain", work / f"medusa/medusa-{v}-100") for v in ("fkl", "lk")},
             "draft_fixed": ("spectrain", ROOT / "runs/smollm2-draft"),
             "draft_on_policy0.5": ("spectrain", work / "draft-on_policy0.5-150")}
     rows = []
