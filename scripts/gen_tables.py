@@ -235,6 +235,7 @@ TABLES: dict[str, tuple[str, object]] = {
     "predicted_crossover_llama8b_h100": ("eval/reference/predicted_crossover_llama8b_h100.json",
                                          _stored_table("predicted_crossover_llama8b_h100")),
     "on_policy_cpu": ("eval/reference/on_policy_cpu.json", _stored_table("on_policy_cpu")),
+    "medusa_lk_tiny": ("eval/reference/medusa_lk_tiny.json", _stored_table("medusa_lk_tiny")),
     "gpu_check_h200_sweep": ("eval/reference/gpu_check_h200.json", _stored_table("gpu_check_h200_sweep")),
     "gpu_check_h200_crossover": ("eval/reference/gpu_check_h200.json", _stored_table("gpu_check_h200_crossover")),
     **{name: (QS, _stored_table(name)) for name in QS_TABLES},
