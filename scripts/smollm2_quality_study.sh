@@ -93,7 +93,7 @@ if has medusa; then
   stage medusa
   for v in fkl lk; do
     python scripts/onpolicy_study.py --family medusa --recipe recipes/smollm2-135m/medusa.yaml --steps 100 \
-      --work "$W/medusa" --variants $v --set training.resume_from=auto > "$W/medusa/$v.log" 2>&1 &
+      --work "$W/medusa" --variants $v --set training.checkpoint_every=50 training.resume_from=auto > "$W/medusa/$v.log" 2>&1 &
   done
   wait
   done_in medusa
