@@ -18,7 +18,7 @@
 #             (~65 min) then packed (the recipe as it is), beside unpacked rollout fraction 0.5 (~100 min)
 #   lk        the recipe as it is (a rerun of spectrain's default, on one thread) beside the same with
 #             drafter.loss=lk, 300 steps, packed, one job per core (~60 min)
-#   medusa    Medusa, the recipe as it is (fkl) beside drafter.loss=lk, 100 steps, one job per core (~35 min)
+#   medusa    Medusa, the recipe as it is (fkl) beside drafter.loss=lk, 100 steps, one job per core (~55 min)
 #   draft     the draft model, 150 steps, on-policy fraction 0.5 (fixed data: runs/smollm2-draft/best)
 #   eval*     tau per set at T=0 and T=1, chain k=3, $N prompts per set, 48 new tokens
 #   table     eval/reference/smollm2_quality.json (scripts/smollm2_quality_tables.py), rendered by gen_tables.py
@@ -79,25 +79,19 @@ if has eagle3lr; then  # two jobs at once, one per core
   wait
   done_in eagle3lr
 fi
-if has lk; then  # two jobs at once, one per core; resumable (a stopped stage continues from its last checkpoint)
-  stage lk
-  for v in packed lk_packed; do
-    python scripts/onpolicy_study.py --family eagle3 --recipe recipes/smollm2-135m/eagle3.yaml --steps 300 \
-      --work "$W/lk" --variants $v --set training.checkpoint_every=50 training.resume_from=auto \
-      > "$W/lk/$v.log" 2>&1 &
+pair() {  # $1: stage (its work dir under $W), $2: family, $3: steps, $4 $5: two variants, one job per core;
+  # resumable: a stopped stage continues from each run's last checkpoint
+  stage "$1"
+  for v in "$4" "$5"; do
+    python scripts/onpolicy_study.py --family "$2" --recipe "recipes/smollm2-135m/$2.yaml" --steps "$3" \
+      --work "$W/$1" --variants "$v" --set training.checkpoint_every=50 training.resume_from=auto \
+      > "$W/$1/$v.log" 2>&1 &
   done
   wait
-  done_in lk
-fi
-if has medusa; then
-  stage medusa
-  for v in fkl lk; do
-    python scripts/onpolicy_study.py --family medusa --recipe recipes/smollm2-135m/medusa.yaml --steps 100 \
-      --work "$W/medusa" --variants $v --set training.checkpoint_every=50 training.resume_from=auto > "$W/medusa/$v.log" 2>&1 &
-  done
-  wait
-  done_in medusa
-fi
+  done_in "$1"
+}
+if has lk; then pair lk eagle3 300 packed lk_packed; fi
+if has medusa; then pair medusa medusa 100 fkl lk; fi
 if has draft; then
   stage draft
   python scripts/onpolicy_study.py --family draft --recipe recipes/smollm2-135m/draft.yaml --steps 150 \
