@@ -15,12 +15,15 @@ every rank trained on.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -120,10 +123,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@functools.cache
+def extensions_dir() -> str:
+    """One fresh JIT-build dir per test session (DeepSpeed builds its CPU comm op there): the tests never wait
+    on a lock or load a build that an earlier, killed run on this machine left in ~/.cache/torch_extensions."""
+    return tempfile.mkdtemp(prefix="spectrain-torch-ext-")
+
+
 def launch(launcher: str, nproc: int, args: list[str], env: dict | None = None, config: Path | None = None,
            timeout: int = 900) -> subprocess.CompletedProcess:
     """Run this file's worker under `python`, `torchrun` or `accelerate launch`; fail loudly with its output."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+                "TORCH_EXTENSIONS_DIR": extensions_dir(), **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}  # env={"X": None} removes X
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(k, None)  # never inherit a process group from the test runner
@@ -137,7 +148,21 @@ def launch(launcher: str, nproc: int, args: list[str], env: dict | None = None, 
                "--num_processes", str(nproc), "--main_process_port", str(free_port()), str(THIS)]
     else:
         raise ValueError(f"unknown launcher {launcher!r}")
-    return subprocess.run(cmd + args, env=full_env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return run_group(cmd + args, full_env, timeout)
+
+
+def run_group(cmd: list[str], env: dict, timeout: int, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """subprocess.run for a launcher: the ranks are its children, so a timeout kills the whole session; else
+    orphaned ranks would keep the cores (and any JIT build lock) from the tests that follow."""
+    with subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"{' '.join(map(str, cmd[:4]))} ... timed out after {timeout} s:\n{out[-3000:]}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
@@ -319,6 +344,29 @@ def test_deepspeed_zero2_resumes_under_forced_weights_only(assets, recipe, zero2
     assert all(len(r["micro_batches"]) == STEPS - 4 for r in run["records"])  # only the steps after step 4
     diff, key = max_weight_diff(load_drafter_weights(full["out"]), load_drafter_weights(run["out"]))
     assert diff <= TOL, f"{key} differs by {diff:.3g}"
+
+
+def test_a_stale_jit_build_lock_is_named_instead_of_hanging(tmp_path, monkeypatch):
+    """A DeepSpeed op build killed mid-way leaves torch's `lock` file; DeepSpeed would wait on it forever (a CI
+    run lost 30 minutes to this). The loop names the file before Accelerator() starts DeepSpeed; a fresh lock
+    (another rank building right now) is left alone."""
+    from spectrain.recipe.load import recipe_from_dict
+    from spectrain.train.engine import STALE_BUILD_LOCK_S, make_accelerator, refuse_stale_build_locks
+
+    lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    refuse_stale_build_locks()  # a build in progress: wait for it, as DeepSpeed does
+    old = lock.stat().st_mtime - STALE_BUILD_LOCK_S - 1
+    os.utime(lock, (old, old))
+    with pytest.raises(RuntimeError, match=r"stale build lock.*deepspeed_shm_comm/lock.*Delete them"):
+        refuse_stale_build_locks()
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(RuntimeError, match="stale build lock"):
+        make_accelerator(recipe_from_dict({"output_dir": str(tmp_path / "run")}))
+    lock.unlink()
+    refuse_stale_build_locks()
 
 
 # ---- worker side (run by the launchers above) ------------------------------------------------------------

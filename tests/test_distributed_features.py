@@ -29,6 +29,7 @@ from test_distributed import (
     free_port,
     load_drafter_weights,
     max_weight_diff,
+    run_group,
     write_recipe,
 )
 
@@ -49,7 +50,7 @@ def _spectrain(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "spectrain"] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
          "127.0.0.1", "--master_port", str(free_port()), "-m", "spectrain"]
-    return subprocess.run(cmd + args, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return run_group(cmd + args, env, 600)
 
 
 @pytest.fixture(scope="module")
@@ -145,9 +146,8 @@ def test_fsdp2_sharded_target_gives_the_same_features(tmp_path, tied):
 
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(free_port()), __file__, str(tmp_path), str(int(tied))],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_group([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                      "127.0.0.1", "--master_port", str(free_port()), __file__, str(tmp_path), str(int(tied))], env, 300)
     check_ok(proc)
     recs = [json.loads((tmp_path / f"fsdp{r}.json").read_text()) for r in (0, 1)]
     for r in recs:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_distributed import run_group
 
 from spectrain.io import resources
 from spectrain.recipe.load import load_recipe
@@ -99,17 +99,17 @@ def test_two_cpu_ranks(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in L._LAUNCHER_MARKERS}
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     common = ["training.max_steps=2", "data.max_rows=200", "training.eval_every=2"]
-    p = subprocess.run([sys.executable, "-m", "spectrain", "train", "tiny/eagle3", "--nproc", "2", *common,
-                        "output_dir=runs/a"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    p = run_group([sys.executable, "-m", "spectrain", "train", "tiny/eagle3", "--nproc", "2", *common,
+                   "output_dir=runs/a"], env, 600, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     info = json.loads((tmp_path / "runs/a/run_info.json").read_text())
     assert info["world_size"] == 2 and info["grad_accum"] == 1  # global 8 = micro 4 x 2 ranks
     assert p.stdout.count("done: 2 steps") == 1 and p.stdout.count("step 2: held-out") == 1  # rank 0 only
     assert "starting 2 process(es)" in p.stderr
     cfg = resources.accelerate_configs()["cpu_ddp"]
-    p = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "-m",
-                        "spectrain", "train", "tiny/eagle3", *common, "launch.nproc=8", "output_dir=runs/b"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # no ACCELERATE_USE_CPU
+    p = run_group([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "-m",
+                   "spectrain", "train", "tiny/eagle3", *common, "launch.nproc=8", "output_dir=runs/b"],
+                  env, 600, cwd=tmp_path)  # no ACCELERATE_USE_CPU
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads((tmp_path / "runs/b/run_info.json").read_text())["world_size"] == 2
 

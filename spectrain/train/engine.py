@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -12,6 +14,7 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.utils.cpp_extension import get_default_build_root
 from transformers.utils import logging as hf_logging
 
 from spectrain.target.model import gathered, load_target
@@ -60,16 +63,36 @@ def resolve_num_threads(requested: int = 0) -> int:
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
+# A real JIT build of DeepSpeed's CPU ops takes seconds to a minute or two; a lock this old was left by a killed build.
+STALE_BUILD_LOCK_S = 600
+
+
+def refuse_stale_build_locks(now: float | None = None) -> None:
+    """DeepSpeed JIT-compiles C++ ops (on CPU, its shared-memory allreduce) under torch's extensions dir, one
+    rank building while the others wait for the build's ``lock`` file to vanish. A build killed mid-way leaves
+    that file behind and every later run waits on it forever without a word: name it instead."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    now = time.time() if now is None else now
+    stale = [lock for lock in root.glob("*/*/lock")
+             if not lock.is_symlink() and now - lock.stat().st_mtime > STALE_BUILD_LOCK_S]
+    if stale:
+        raise RuntimeError(f"{len(stale)} stale build lock(s) under {root} ({', '.join(map(str, stale))}), left by a "
+                           "C++ extension build that was killed mid-way; DeepSpeed would wait on them forever. "
+                           "Delete them (no other build is running) and launch again")
+
+
 def make_accelerator(recipe):
     # From the launcher's environment: building PartialState here would freeze its device choice
     # before Accelerator reads ACCELERATE_USE_CPU.
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trackers = check_trackers(recipe)
     handlers = []
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not torch.cuda.is_available():
-        # DeepSpeed's CPU accelerator forms a gloo group, but accelerate finds no device backend and
-        # would report world size 1 unless told the backend.
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        refuse_stale_build_locks()  # before Accelerator(): its DeepSpeed setup JIT-builds ops
+        if not torch.cuda.is_available():
+            # DeepSpeed's CPU accelerator forms a gloo group, but accelerate finds no device backend and
+            # would report world size 1 unless told the backend.
+            handlers.append(InitProcessGroupKwargs(backend="gloo"))
     acc = Accelerator(
         kwargs_handlers=handlers,
         mixed_precision=resolve_precision(recipe.training.precision),
