@@ -18,7 +18,7 @@
 #             (~65 min) then packed (the recipe as it is), beside unpacked rollout fraction 0.5 (~100 min)
 #   lk        the recipe as it is (a rerun of spectrain's default, on one thread) beside the same with
 #             drafter.loss=lk, 300 steps, packed, one job per core (~60 min)
-#   medusa    Medusa, the recipe as it is (fkl) beside drafter.loss=lk, 100 steps, one job per core (~55 min)
+#   medusa    Medusa, the recipe as it is (fkl) beside drafter.loss=lk, 100 steps, one job per core (21 / 27 min)
 #   draft     the draft model, 150 steps, on-policy fraction 0.5 (fixed data: runs/smollm2-draft/best)
 #   eval*     tau per set at T=0 and T=1, chain k=3, $N prompts per set, 48 new tokens
 #   table     eval/reference/smollm2_quality.json (scripts/smollm2_quality_tables.py), rendered by gen_tables.py
