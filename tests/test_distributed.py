@@ -367,6 +367,9 @@ def test_a_stale_jit_build_lock_is_named_instead_of_hanging(tmp_path, monkeypatc
         make_accelerator(recipe_from_dict({"output_dir": str(tmp_path / "run")}))
     lock.unlink()
     refuse_stale_build_locks()
+    # a lock that vanishes between the listing and its stat belongs to a build that just finished
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: iter([lock]))
+    refuse_stale_build_locks()
 
 
 # ---- worker side (run by the launchers above) ------------------------------------------------------------

@@ -73,12 +73,20 @@ def refuse_stale_build_locks(now: float | None = None) -> None:
     that file behind and every later run waits on it forever without a word: name it instead."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     now = time.time() if now is None else now
-    stale = [lock for lock in root.glob("*/*/lock")
-             if not lock.is_symlink() and now - lock.stat().st_mtime > STALE_BUILD_LOCK_S]
+    stale = [lock for lock in root.glob("*/*/lock") if now - _mtime(lock) > STALE_BUILD_LOCK_S]
     if stale:
         raise RuntimeError(f"{len(stale)} stale build lock(s) under {root} ({', '.join(map(str, stale))}), left by a "
                            "C++ extension build that was killed mid-way; DeepSpeed would wait on them forever. "
                            "Delete them (no other build is running) and launch again")
+
+
+def _mtime(path: Path) -> float:
+    """When a lock was made (the link's own time, never its target's); a lock gone since the glob belongs to a
+    build that just finished, so it counts as made now and later."""
+    try:
+        return path.lstat().st_mtime
+    except FileNotFoundError:
+        return float("inf")
 
 
 def make_accelerator(recipe):
