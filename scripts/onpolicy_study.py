@@ -35,7 +35,8 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
     "medusa": {"fkl": [], "accept": ["drafter.loss=accept"], "lk": ["drafter.loss=lk"]},
     "draft": {"fixed": [], "on_policy0.5": ["training.on_policy.fraction=0.5"],
               "on_policy1.0": ["training.on_policy.fraction=1.0"],
-              "on_policy0.5_tvd": ["training.on_policy.fraction=0.5", "drafter.loss=tvd"]},
+              "on_policy0.5_tvd": ["training.on_policy.fraction=0.5", "drafter.loss=tvd"],
+              "tvd": ["drafter.loss=tvd"]},  # fixed data, the divergence that is 1 - acceptance at T=1
 }
 EVAL_KEYS = ["eval/sim_tau_proxy", "eval/sim_tau_t1", "eval/acc_0", "eval/acc_t1_0", "eval/expected_acc"]
 

@@ -19,6 +19,7 @@
 #   lk        the recipe as it is (a rerun of spectrain's default, on one thread) beside the same with
 #             drafter.loss=lk, 300 steps, packed, one job per core (~60 min)
 #   medusa    Medusa, the recipe as it is (fkl) beside drafter.loss=lk, 100 steps, one job per core (21 / 27 min)
+#   draftdiv  the draft model as it is (fkl, fixed data) beside drafter.loss=tvd, 150 steps, one job per core
 #   draft     the draft model, 150 steps, on-policy fraction 0.5 (fixed data: runs/smollm2-draft/best)
 #   eval*     tau per set at T=0 and T=1, chain k=3, $N prompts per set, 48 new tokens
 #   table     eval/reference/smollm2_quality.json (scripts/smollm2_quality_tables.py), rendered by gen_tables.py
@@ -34,7 +35,7 @@ export OMP_NUM_THREADS=1 SPECTRAIN_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_O
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; SECONDS=0; }
 done_in() { echo "== $1 took ${SECONDS}s"; }
-mkdir -p "$W" "$W/lr1e-3" "$W/lk" "$W/medusa"
+mkdir -p "$W" "$W/lr1e-3" "$W/lk" "$W/medusa" "$W/draftdiv"
 # speculators reads an HF dir: the GGUF's dequantized copy (written by `spectrain target fetch smollm2-135m`)
 HFD=$(python -c "from spectrain.target.gguf import resolve_target_path as r; print(r('models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf'))")
 sed "s#name_or_path: models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf#name_or_path: $HFD#" \
@@ -92,6 +93,7 @@ pair() {  # $1: stage (its work dir under $W), $2: family, $3: steps, $4 $5: two
 }
 if has lk; then pair lk eagle3 300 packed lk_packed; fi
 if has medusa; then pair medusa medusa 100 fkl lk; fi
+if has draftdiv; then pair draftdiv draft 150 fixed tvd; fi
 if has draft; then
   stage draft
   python scripts/onpolicy_study.py --family draft --recipe recipes/smollm2-135m/draft.yaml --steps 150 \
@@ -110,6 +112,8 @@ heads() {
   [ -d "$W/lk/eagle3-packed-300/best" ] && link e3_default_rerun "$W/lk/eagle3-packed-300/best"
   [ -d "$W/lk/eagle3-lk_packed-300/best" ] && link e3_lk_packed "$W/lk/eagle3-lk_packed-300/best"
   for v in fkl lk; do [ -d "$W/medusa/medusa-$v-100/best" ] && link "medusa_$v" "$W/medusa/medusa-$v-100/best"; done
+  [ -d "$W/draftdiv/draft-fixed-150/best" ] && link draft_fixed_rerun "$W/draftdiv/draft-fixed-150/best"
+  [ -d "$W/draftdiv/draft-tvd-150/best" ] && link draft_tvd "$W/draftdiv/draft-tvd-150/best"
   [ -d runs/smollm2-draft/best ] && link draft_fixed runs/smollm2-draft/best
   [ -d "$W/draft-on_policy0.5-150/best" ] && link draft_on_policy0.5 "$W/draft-on_policy0.5-150/best"
   return 0
@@ -130,6 +134,7 @@ if has evaldraft; then heads; ev -draft draft_fixed draft_on_policy0.5; fi
 if has evalvariants; then heads; N=${VARIANTS_N:-$N} ev -variants e3_fkl e3_lk e3_rollout0.5; fi
 if has evallr; then heads; ev -lr e3_lr1e-3_fkl e3_lr1e-3_rollout0.5 e3_lr1e-3_packed; fi
 if has evalmedusa; then heads; ev -medusa-a medusa_fkl & ev -medusa-b medusa_lk & wait; fi
+if has evaldraftdiv; then heads; ev -draftdiv-a draft_fixed_rerun & ev -draftdiv-b draft_tvd & wait; fi
 if has evallk; then heads; ev -lk-a e3_default_rerun & ev -lk-b e3_lk_packed & wait; fi  # one job per core
 if has table; then  # the stored tables (eval/reference/smollm2_quality.json), rendered into the docs
   python scripts/smollm2_quality_tables.py --work "$W" && python scripts/gen_tables.py

@@ -40,7 +40,8 @@ PAIRED = [("sq_vs_speculators_default", "speculators_default",
           ("sq_eagle3_vs_fkl", "e3_fkl", ["e3_lk", "e3_rollout0.5"]),
           ("sq_lk_vs_rerun", "e3_default_rerun", ["e3_lk_packed"]),
           ("sq_medusa_lk_vs_fkl", "medusa_fkl", ["medusa_lk"]),
-          ("sq_draft_vs_fixed", "draft_fixed", ["draft_on_policy0.5"])]
+          ("sq_draft_vs_fixed", "draft_fixed", ["draft_on_policy0.5"]),
+          ("sq_draft_tvd_vs_fixed", "draft_fixed_rerun", ["draft_tvd"])]
 
 
 RECORDS = ROOT / "eval/reference/smollm2_quality_records.json"
@@ -124,7 +125,9 @@ def training_table(work: Path) -> dict:
             "e3_lk_packed": ("spectrain", work / "lk/eagle3-lk_packed-300"),
             **{f"medusa_{v}": ("spectrain", work / f"medusa/medusa-{v}-100") for v in ("fkl", "lk")},
             "draft_fixed": ("spectrain", ROOT / "runs/smollm2-draft"),
-            "draft_on_policy0.5": ("spectrain", work / "draft-on_policy0.5-150")}
+            "draft_on_policy0.5": ("spectrain", work / "draft-on_policy0.5-150"),
+            "draft_fixed_rerun": ("spectrain", work / "draftdiv/draft-fixed-150"),
+            "draft_tvd": ("spectrain", work / "draftdiv/draft-tvd-150")}
     rows = []
     for name, (kind, path) in runs.items():
         r = summarize(path) if kind == "spectrain" else speculators_run(path)
