@@ -36,7 +36,8 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
     "draft": {"fixed": [], "on_policy0.5": ["training.on_policy.fraction=0.5"],
               "on_policy1.0": ["training.on_policy.fraction=1.0"],
               "on_policy0.5_tvd": ["training.on_policy.fraction=0.5", "drafter.loss=tvd"],
-              "tvd": ["drafter.loss=tvd"]},  # fixed data, the divergence that is 1 - acceptance at T=1
+              # fixed data, other divergences (tvd: its value is 1 - acceptance at T=1)
+              "tvd": ["drafter.loss=tvd"], "rkl": ["drafter.loss=rkl"], "jsd": ["drafter.loss=jsd"]},
 }
 EVAL_KEYS = ["eval/sim_tau_proxy", "eval/sim_tau_t1", "eval/acc_0", "eval/acc_t1_0", "eval/expected_acc"]
 

@@ -19,13 +19,14 @@
 #   lk        the recipe as it is (a rerun of spectrain's default, on one thread) beside the same with
 #             drafter.loss=lk, 300 steps, packed, one job per core (~60 min)
 #   medusa    Medusa, the recipe as it is (fkl) beside drafter.loss=lk, 100 steps, one job per core (21 / 27 min)
-#   draftdiv  the draft model as it is (fkl, fixed data) beside drafter.loss=tvd, 150 steps, one job per core
+#   draftdiv  the draft model as it is (fkl, fixed data) beside drafter.loss=tvd, 150 steps, one job per core (16 min)
+#   draftdiv2 the same with drafter.loss=rkl beside jsd (paired with draftdiv's fkl run)
 #   draft     the draft model, 150 steps, on-policy fraction 0.5 (fixed data: runs/smollm2-draft/best)
 #   eval*     tau per set at T=0 and T=1, chain k=3, $N prompts per set, 48 new tokens
 #   table     eval/reference/smollm2_quality.json (scripts/smollm2_quality_tables.py), rendered by gen_tables.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGES=${STAGES:-"rows specdata spec eagle3 eagle3lr lk medusa draft evalspec evalvariants evallr evallk evalmedusa evaldraft table"}
+STAGES=${STAGES:-"rows specdata spec eagle3 eagle3lr lk medusa draftdiv draftdiv2 draft evalspec evalvariants evallr evallk evalmedusa evaldraftdiv evaldraftdiv2 evaldraft table"}
 W=${W:-runs/study16}
 N=${N:-10}
 E3_STEPS=${E3_STEPS:-60}
@@ -94,6 +95,7 @@ pair() {  # $1: stage (its work dir under $W), $2: family, $3: steps, $4 $5: two
 if has lk; then pair lk eagle3 300 packed lk_packed; fi
 if has medusa; then pair medusa medusa 100 fkl lk; fi
 if has draftdiv; then pair draftdiv draft 150 fixed tvd; fi
+if has draftdiv2; then pair draftdiv draft 150 rkl jsd; fi
 if has draft; then
   stage draft
   python scripts/onpolicy_study.py --family draft --recipe recipes/smollm2-135m/draft.yaml --steps 150 \
@@ -113,7 +115,7 @@ heads() {
   [ -d "$W/lk/eagle3-lk_packed-300/best" ] && link e3_lk_packed "$W/lk/eagle3-lk_packed-300/best"
   for v in fkl lk; do [ -d "$W/medusa/medusa-$v-100/best" ] && link "medusa_$v" "$W/medusa/medusa-$v-100/best"; done
   [ -d "$W/draftdiv/draft-fixed-150/best" ] && link draft_fixed_rerun "$W/draftdiv/draft-fixed-150/best"
-  [ -d "$W/draftdiv/draft-tvd-150/best" ] && link draft_tvd "$W/draftdiv/draft-tvd-150/best"
+  for v in tvd rkl jsd; do [ -d "$W/draftdiv/draft-$v-150/best" ] && link "draft_$v" "$W/draftdiv/draft-$v-150/best"; done
   [ -d runs/smollm2-draft/best ] && link draft_fixed runs/smollm2-draft/best
   [ -d "$W/draft-on_policy0.5-150/best" ] && link draft_on_policy0.5 "$W/draft-on_policy0.5-150/best"
   return 0
@@ -135,6 +137,7 @@ if has evalvariants; then heads; N=${VARIANTS_N:-$N} ev -variants e3_fkl e3_lk e
 if has evallr; then heads; ev -lr e3_lr1e-3_fkl e3_lr1e-3_rollout0.5 e3_lr1e-3_packed; fi
 if has evalmedusa; then heads; ev -medusa-a medusa_fkl & ev -medusa-b medusa_lk & wait; fi
 if has evaldraftdiv; then heads; ev -draftdiv-a draft_fixed_rerun & ev -draftdiv-b draft_tvd & wait; fi
+if has evaldraftdiv2; then heads; ev -draftdiv-c draft_rkl & ev -draftdiv-d draft_jsd & wait; fi
 if has evallk; then heads; ev -lk-a e3_default_rerun & ev -lk-b e3_lk_packed & wait; fi  # one job per core
 if has table; then  # the stored tables (eval/reference/smollm2_quality.json), rendered into the docs
   python scripts/smollm2_quality_tables.py --work "$W" && python scripts/gen_tables.py

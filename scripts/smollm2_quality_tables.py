@@ -41,7 +41,7 @@ PAIRED = [("sq_vs_speculators_default", "speculators_default",
           ("sq_lk_vs_rerun", "e3_default_rerun", ["e3_lk_packed"]),
           ("sq_medusa_lk_vs_fkl", "medusa_fkl", ["medusa_lk"]),
           ("sq_draft_vs_fixed", "draft_fixed", ["draft_on_policy0.5"]),
-          ("sq_draft_tvd_vs_fixed", "draft_fixed_rerun", ["draft_tvd"])]
+          ("sq_draft_loss_vs_fixed", "draft_fixed_rerun", ["draft_tvd", "draft_rkl", "draft_jsd"])]
 
 
 RECORDS = ROOT / "eval/reference/smollm2_quality_records.json"
@@ -127,7 +127,7 @@ def training_table(work: Path) -> dict:
             "draft_fixed": ("spectrain", ROOT / "runs/smollm2-draft"),
             "draft_on_policy0.5": ("spectrain", work / "draft-on_policy0.5-150"),
             "draft_fixed_rerun": ("spectrain", work / "draftdiv/draft-fixed-150"),
-            "draft_tvd": ("spectrain", work / "draftdiv/draft-tvd-150")}
+            **{f"draft_{v}": ("spectrain", work / f"draftdiv/draft-{v}-150") for v in ("tvd", "rkl", "jsd")}}
     rows = []
     for name, (kind, path) in runs.items():
         r = summarize(path) if kind == "spectrain" else speculators_run(path)
