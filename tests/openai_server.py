@@ -8,6 +8,13 @@ through spectrain.data.regenerate.generate_batch, and answers with content, fini
 
 `fail_after=N` answers HTTP 503 to every request after the N-th (a server that goes down mid-run);
 `delay_s` sleeps before each answer; `requests` records every request body.
+
+`ScriptedServer(script)` needs no model: a misbehaving server whose every POST is answered by
+``script(body, n) -> Reply`` (redirects, 401 / 404, oversized or inconsistent answers, Retry-After, a body
+trickled one byte at a time). Each request's headers are kept, so a test sees where a key went.
+
+    with ScriptedServer(lambda body, n: Reply(401)) as srv:
+        ...
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from spectrain.data import generate as G
@@ -81,6 +90,82 @@ class OpenAIServer:
                 self.wfile.write(data)
 
             def log_message(self, *args):  # keep the test output clean
+                pass
+
+        return Handler
+
+
+# ---- a scripted, misbehaving server (no model) -----------------------------------------------------------
+TRICKLE_MAX_S = 10.0  # a trickling answer stops by itself after this (the client should give up long before)
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    body: dict | bytes | None = None  # None: answer(request) below, a valid completion
+    headers: dict = field(default_factory=dict)
+    trickle_s: float = 0.0  # > 0: announce a long body, then send one byte per trickle_s (never finishes)
+
+
+def answer(body: dict, content: str = "ok", **top) -> dict:
+    """A valid chat completion for request ``body``; ``top`` replaces top-level fields (model, usage ...)."""
+    resp = {"id": "cmpl-x", "object": "chat.completion", "model": body.get("model"),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    return {**resp, **top}
+
+
+class ScriptedServer:
+    def __init__(self, script: Callable[[dict, int], Reply]):
+        self.script = script
+        self.requests: list[dict] = []  # {"path", "headers", "body"} per POST
+        self._lock = threading.Lock()
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    def __enter__(self) -> ScriptedServer:
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def _reply(self, path: str, headers: dict, body: dict) -> Reply:
+        with self._lock:
+            n = len(self.requests)
+            self.requests.append({"path": path, "headers": headers, "body": body})
+        return self.script(body, n)
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's naming)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                r = server._reply(self.path, dict(self.headers), body)
+                data = r.body if isinstance(r.body, bytes) else json.dumps(
+                    answer(body) if r.body is None else r.body).encode()
+                self.send_response(r.status)
+                for k, v in {"Content-Type": "application/json", **r.headers}.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data) * (1000 if r.trickle_s else 1)))
+                self.end_headers()
+                if not r.trickle_s:
+                    self.wfile.write(data)
+                    return
+                end = time.monotonic() + TRICKLE_MAX_S
+                try:
+                    for b in (data * 1000)[:int(TRICKLE_MAX_S / r.trickle_s)]:
+                        if time.monotonic() > end:
+                            break
+                        self.wfile.write(bytes([b]))
+                        self.wfile.flush()
+                        time.sleep(r.trickle_s)
+                except OSError:  # the client hung up: what a deadline should do
+                    pass
+
+            def log_message(self, *args):
                 pass
 
         return Handler

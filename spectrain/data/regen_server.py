@@ -13,6 +13,11 @@ only who decodes differs. Stdlib only (urllib + a thread pool): one request per 
   rerunning the command retries exactly those rows. A request the server rejects (other 4xx, e.g. a prompt
   over its context length) is permanent: the row is skipped at its first turn or shortened at a later one,
   like an over-long prompt in-process. After ``concurrency + 16`` failed rows in a row the run stops early.
+- Nothing the server sends is trusted (ChatClient): no redirect is followed and the API key goes only to the
+  given URLs; one deadline (``--timeout``) bounds a whole request; the body read is bounded by max_tokens; an
+  answer that does not fit its request (too long, usage counts over max_tokens / negative / not integers)
+  fails the row, naming the field. A setup error (HTTP 401 / 403 / 404, a redirect, an answer from another
+  model) stops the run at once with its fix. ``Retry-After`` on 429 / 503 is honoured, up to 60 s.
 - Rows are written to FILE.tmp in input order (a finished row waits for the rows before it), so a killed
   client loses only the rows in flight.
 - ``data.chat_template_kwargs`` / ``--chat-template-kwargs`` go into every request as
@@ -27,27 +32,43 @@ only who decodes differs. Stdlib only (urllib + a thread pool): one request per 
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import http.client
 import itertools
 import json
+import math
 import os
 import re
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from spectrain.io.outputs import open_nofollow
 from spectrain.io.progress import Progress
 
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.S)
 REASONING_MODES = ("keep", "strip")
 BACKOFF_S = 1.0  # first retry after 1 s, then 2, 4 ... capped at 30 s
+RETRY_AFTER_MAX_S = 60.0  # a 429 / 503's Retry-After is honoured up to this (a hostile value cannot park the run)
+MAX_BYTES_PER_TOKEN = 256  # no vocabulary's token decodes to more: an answer beyond max_tokens * this is not one
+_BODY_SLACK = 64 * 1024  # JSON framing, ids, usage and error text around the answer
+_sleep = time.sleep  # tests record the waits instead
 _FSYNC_EVERY_S = 2.0
+
+
+class ServerConfigError(ValueError):
+    """The server refuses every request for a reason of the setup (API key, model name, URL, a redirect): the
+    run stops at once with the fix (a ValueError: the CLI prints one line, exit status 2)."""
+
+
+class BadResponse(ValueError):
+    """An answer that does not fit its request (too long for max_tokens, bad usage counts, not a completion)."""
 
 
 class ServerRejected(Exception):
@@ -102,7 +123,7 @@ def _read_done(tmp: Path) -> Counter:
                     raise ValueError(f"{tmp} is corrupt (bad line after {sum(done.values())} rows); delete it "
                                      "to start over") from None
                 break
-    with open(tmp, "r+b") as f:
+    with open_nofollow(tmp, "r+b") as f:
         f.truncate(good)  # drop the interrupted write, if any
     return done
 
@@ -118,12 +139,20 @@ def endpoint(url: str) -> str:
 
 
 class ChatClient:
-    """POSTs chat-completion requests round-robin over the URLs, with retries and backoff. Thread-safe."""
+    """POSTs chat-completion requests round-robin over the URLs, with retries and backoff. Thread-safe.
+
+    It trusts nothing it is sent: no redirect is followed (the request and the API key go only to the
+    configured hosts), a whole request has one deadline (--timeout; a server trickling bytes cannot hang
+    it), the body read is bounded by what max_tokens can produce and every answer is checked against its
+    request (check_response). A setup error (401 / 403 / 404 / a redirect / another model) stops every
+    thread at once."""
 
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg.validate()
         self._turn = itertools.count()
         self._lock = threading.Lock()
+        self._fatal: ServerConfigError | None = None
+        self.models: Counter = Counter()  # the model names the server answered as (printed at the end)
         key = os.environ.get("OPENAI_API_KEY", "")  # servers started with --api-key want it
         self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
 
@@ -131,27 +160,161 @@ class ChatClient:
         with self._lock:
             return self.cfg.urls[next(self._turn) % len(self.cfg.urls)]
 
-    def _post(self, url: str, body: dict) -> dict:
-        req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=self._headers, method="POST")
-        with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as resp:
-            return json.loads(resp.read())
+    def _post(self, url: str, body: dict) -> tuple[int, dict, bytes]:
+        """(status, headers, body) of one POST under one deadline; http.client follows no redirect."""
+        u = urllib.parse.urlsplit(url)
+        conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(
+            u.hostname, u.port, timeout=self.cfg.timeout_s)
+        cut, timer, deadline = threading.Event(), None, time.monotonic() + self.cfg.timeout_s
+        limit = body_limit(body["max_tokens"])
+        try:
+            conn.connect()  # bounded by the socket timeout; from here on one timer bounds the whole exchange,
+            timer = threading.Timer(max(0.0, deadline - time.monotonic()), _cut, (conn.sock, cut))  # as
+            timer.start()  # per-read timeouts never end a trickle of bytes
+            conn.request("POST", u.path + (f"?{u.query}" if u.query else ""), json.dumps(body).encode(),
+                         self._headers)
+            resp = conn.getresponse()
+            data = resp.read(limit + 1)
+            headers = {k.lower(): v for k, v in resp.getheaders()}
+        except (OSError, http.client.HTTPException):
+            if cut.is_set():
+                raise TimeoutError(f"no complete answer within --timeout {self.cfg.timeout_s:g}s") from None
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            conn.close()
+        if cut.is_set():
+            raise TimeoutError(f"no complete answer within --timeout {self.cfg.timeout_s:g}s")
+        if len(data) > limit:
+            raise BadResponse(f"the response is over {limit} bytes, more than max_tokens {body['max_tokens']} "
+                              "can produce")
+        return resp.status, headers, data
+
+    def _refuse(self, url: str, status: int, headers: dict, data: bytes) -> None:
+        """Raise for a status retrying cannot fix: a setup error stops the run, another 4xx skips the row."""
+        detail = _printable(data.decode("utf-8", "replace"))[:160]
+        if 300 <= status < 400:
+            raise ServerConfigError(f"{url} answered HTTP {status}, a redirect to "
+                                    f"{_printable(headers.get('location', '(none)'))[:200]!r}: spectrain follows "
+                                    "no redirect (it would send the request and API key elsewhere); give the "
+                                    "final URL with --server")
+        if status in (401, 403):
+            have = "is set but refused" if "Authorization" in self._headers else "is not set"
+            raise ServerConfigError(f"{url} answered HTTP {status} ({detail}): the server wants an API key and "
+                                    f"OPENAI_API_KEY {have}; set it to the key the server was started with "
+                                    "(--api-key) and rerun")
+        if status == 404:
+            models = url.replace("/chat/completions", "/models")
+            raise ServerConfigError(f"{url} answered HTTP 404 ({detail}): the server has no model "
+                                    f"{self.cfg.model!r} (or no such endpoint); pass --server-model with a name "
+                                    f"listed at {models}, or check the --server URL")
+        if status not in (408, 429) and status < 500:
+            raise ServerRejected(f"HTTP {status}: {detail[:120]}")
 
     def complete(self, body: dict) -> dict:
-        last = ""
+        """The server's answer to `body`, checked against it; transient failures are retried with backoff (at
+        least the server's Retry-After, up to RETRY_AFTER_MAX_S)."""
+        last, wait = "", 0.0
         for attempt in range(self.cfg.retries + 1):
-            if attempt:
-                time.sleep(min(30.0, BACKOFF_S * 2 ** (attempt - 1)))
+            if self._fatal is not None:  # another row met a setup error: every request would meet it
+                raise self._fatal
+            if wait:
+                _sleep(wait)
             url = self._url()
+            wait = min(30.0, BACKOFF_S * 2 ** attempt)
             try:
-                return self._post(url, body)
-            except urllib.error.HTTPError as e:
-                detail = e.read()[:200].decode("utf-8", "replace")
-                if e.code not in (408, 429) and e.code < 500:
-                    raise ServerRejected(f"HTTP {e.code}: {' '.join(detail.split())[:120]}") from None
-                last = f"{url}: HTTP {e.code}"
-            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
-                last = f"{url}: {type(e).__name__}: {getattr(e, 'reason', e)}"  # ValueError: a body that is not JSON
+                status, headers, data = self._post(url, body)
+                if 200 <= status < 300:
+                    resp = json.loads(data)
+                    check_response(resp, body, url)
+                    with self._lock:
+                        self.models[resp.get("model") or "(not named)"] += 1
+                    return resp
+                self._refuse(url, status, headers, data)
+                wait = max(wait, retry_after(headers.get("retry-after")))
+                last = f"{url}: HTTP {status}"
+            except ServerConfigError as e:
+                self._fatal = e
+                raise
+            except (http.client.HTTPException, OSError, ValueError) as e:  # ValueError: not JSON / BadResponse
+                last = f"{url}: {type(e).__name__}: {e}"
         raise ServerUnavailable(f"{last} (after {self.cfg.retries + 1} attempts)")
+
+
+def _cut(sock: socket.socket, cut: threading.Event) -> None:
+    """The deadline: shutting the socket down wakes a read blocked in another thread. (The socket itself, not
+    conn.sock: http.client hands it to the response and forgets it when the server will close.)"""
+    cut.set()
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed
+        pass
+
+
+def _printable(text: str) -> str:
+    """A server's text on one line, without control characters (it goes into an error message)."""
+    return " ".join("".join(c if c.isprintable() else " " for c in text).split())
+
+
+def retry_after(value: str | None) -> float:
+    """Seconds a Retry-After header asks for (delta-seconds or an HTTP date), bounded by RETRY_AFTER_MAX_S."""
+    if not value:
+        return 0.0
+    try:
+        secs = float(value)
+    except ValueError:
+        try:
+            secs = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError, OverflowError):
+            return 0.0
+    return min(RETRY_AFTER_MAX_S, secs) if math.isfinite(secs) and secs > 0 else 0.0
+
+
+def body_limit(max_tokens: int) -> int:
+    """The most bytes a response to max_tokens can hold: every token at MAX_BYTES_PER_TOKEN, JSON-escaped
+    (\\u00XX: 6 bytes per byte), plus framing."""
+    return _BODY_SLACK + 6 * MAX_BYTES_PER_TOKEN * max_tokens
+
+
+def _same_model(got: str, want: str) -> bool:
+    """vLLM / SGLang answer with the requested name; OpenAI-style APIs add a snapshot suffix (gpt-x-2024-...)."""
+    return got == want or got.startswith(want + "-")
+
+
+def check_response(resp, body: dict, url: str) -> None:
+    """Refuse an answer that does not fit its request, naming the field (BadResponse: the row is retried and,
+    failing, not written); an answer from another model is a setup error (ServerConfigError)."""
+    choices = resp.get("choices") if isinstance(resp, dict) else None
+    msg = choices[0].get("message") if isinstance(choices, list) and choices and isinstance(choices[0], dict) \
+        else None
+    if not isinstance(msg, dict):
+        raise BadResponse(f"not a chat-completion response (no choices[0].message): {_printable(str(resp))[:120]}")
+    texts = [msg.get(k) for k in ("content", "reasoning_content", "reasoning")]
+    for k, v in zip(("content", "reasoning_content", "reasoning"), texts):
+        if v is not None and not isinstance(v, str):
+            raise BadResponse(f"choices[0].message.{k} is a {type(v).__name__}, not text")
+    size, cap = sum(len(v.encode("utf-8", "replace")) for v in texts if v), MAX_BYTES_PER_TOKEN * body["max_tokens"]
+    if size > cap:
+        raise BadResponse(f"the answer is {size} bytes, more than max_tokens {body['max_tokens']} can produce "
+                          f"(at most {cap})")
+    usage = resp.get("usage")
+    if usage is not None and not isinstance(usage, dict):
+        raise BadResponse(f"usage is a {type(usage).__name__}, not an object")
+    for k, v in (usage or {}).items():
+        if k.endswith("_tokens") and v is not None and (type(v) is not int or v < 0):
+            raise BadResponse(f"usage.{k} = {_printable(repr(v))[:40]} is not a non-negative integer")
+    done = (usage or {}).get("completion_tokens") or 0
+    if done > body["max_tokens"]:
+        raise BadResponse(f"usage.completion_tokens = {done} exceeds the request's max_tokens {body['max_tokens']}")
+    model = resp.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadResponse(f"model is a {type(model).__name__}, not a name")
+    if model and not _same_model(model, body["model"]):
+        raise ServerConfigError(f"{url} answered as model {_printable(model)[:100]!r}, not the requested "
+                                f"{body['model']!r}: that server serves another model; point --server at the "
+                                f"target's server, or pass --server-model {_printable(model)[:100]} if it is the "
+                                "target")
 
 
 def apply_reasoning(content: str, reasoning: str, mode: str) -> str:
@@ -197,14 +360,12 @@ def answer_row(client: ChatClient, row: dict, regen, body_extra: dict) -> tuple[
 
 
 def _parse(resp: dict, mode: str) -> tuple[str, bool, int]:
-    try:
-        choice = resp["choices"][0]
-        msg = choice["message"]
-    except (KeyError, IndexError, TypeError):
-        raise ServerUnavailable(f"not a chat-completion response: {str(resp)[:120]}") from None
+    """(text, truncated, tokens) of a response check_response accepted."""
+    choice = resp["choices"][0]
+    msg = choice["message"]
     reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
     text = apply_reasoning(msg.get("content") or "", reasoning, mode)
-    tokens = int((resp.get("usage") or {}).get("completion_tokens") or 0)
+    tokens = (resp.get("usage") or {}).get("completion_tokens") or 0
     return text, choice.get("finish_reason") == "length", tokens
 
 
@@ -227,7 +388,7 @@ def write_part_server(client: ChatClient, rows: list[dict], tmp: Path, regen, st
     bar = Progress(len(rows), "row", "regenerate", initial=stats.resumed)
     pool = ThreadPoolExecutor(client.cfg.concurrency, thread_name_prefix="regen")
     try:
-        with bar.bar, open(tmp, "a", encoding="utf-8") as f:
+        with bar.bar, open_nofollow(tmp, "a") as f:
             pending.extend(pool.submit(answer_row, client, r, regen, extra) for r in itertools.islice(it, window))
             while pending:
                 fut = pending.popleft()

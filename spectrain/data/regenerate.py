@@ -14,8 +14,9 @@ to the conversation so far (earlier turns already regenerated), rendered by the 
 - Stop ids: the decoder's eos (``decoding._resolve_eos``) plus the template's end-of-turn token. Answers
   that hit --max-new-tokens are kept and counted. A prompt over (max positions - max_new_tokens) or an
   empty answer skips the row at its first turn and ends the conversation early at a later one.
-- Resumable, atomic: rows are appended to FILE.tmp (settings in FILE.tmp.meta.json), a restart skips the
-  rows already there, FILE appears when all are done. Under torchrun rank r answers rows i % world == r
+- Resumable, atomic: rows are appended to FILE.tmp (settings and the input rows' sha256 in FILE.tmp.meta.json:
+  a resume from changed data is refused), a restart skips the rows already there, FILE appears when all are
+  done. One writer per output: FILE.lock (flock) refuses a second run on the same --out at once. Under torchrun rank r answers rows i % world == r
   into FILE.rank{r}.tmp and rank 0 merges them in input order once every rank's ``.done`` marker exists.
 - ``--server URL[,URL...]``: an OpenAI-compatible server (vLLM, SGLang) answers instead, ``--concurrency`` rows
   at a time, with retries; rows it could not answer are counted as failed and retried by a rerun
@@ -26,6 +27,7 @@ to the conversation so far (earlier turns already regenerated), rendered by the 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -41,10 +43,11 @@ from spectrain.data.generate import _RANK_COUNTS, RegenConfig, RegenStats, regen
 from spectrain.data.regen_server import (
     ChatClient,
     ServerConfig,
+    ServerConfigError,
     _read_done,
     write_part_server,
 )
-from spectrain.io.outputs import check_file_placement, write_text_safe
+from spectrain.io.outputs import check_file_placement, exclusive_lock, open_nofollow, write_text_safe
 from spectrain.io.progress import Progress
 from spectrain.recipe.load import load_recipe
 from spectrain.target.gguf import resolve_target_path
@@ -58,12 +61,24 @@ from spectrain.target.model import load_target
 # {"id", "_skipped": reason} so that a resumed run does not redo rows it already had to skip.
 
 
+def _rows_digest(rows: list[dict]) -> str:
+    """sha256 of the input rows as read: a resumed run must answer the same data, not only the same file names."""
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(json.dumps(r, sort_keys=True, ensure_ascii=False).encode() + b"\n")
+    return h.hexdigest()
+
+
 def _check_meta(part: Path, meta: dict) -> None:
-    """Refuse to mix rows generated with different settings into one file."""
+    """Refuse to mix rows generated with different settings, or from different input rows, into one file."""
     meta_path = part.with_name(part.name + ".meta.json")
     if part.exists() and meta_path.exists():
         old = json.loads(meta_path.read_text())
         diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
+        if "input_sha256" in diff:
+            raise ValueError(f"{part} was started from other input rows (the data in {', '.join(meta['train_files'])} "
+                             "changed since: its sha256 differs); its rows answer the old data: restore that data "
+                             f"to resume, or delete {part} and {meta_path.name} to start over")
         if diff:
             changes = ", ".join(f"{k}: {old.get(k)!r} -> {meta.get(k)!r}" for k in diff)
             raise ValueError(f"{part} was started with other settings ({changes}); "
@@ -82,7 +97,7 @@ def _write_part(target, rows: list[dict], tmp: Path, cfg: RegenConfig, stats: Re
     stop = stop_token_ids(target)
     bar = Progress(len(rows), "row", "regenerate", enabled=int(os.environ.get("RANK", "0")) == 0,
                    initial=stats.resumed)  # rank 0's rows; the others go at the same pace
-    with bar.bar, open(tmp, "a", encoding="utf-8") as f:
+    with bar.bar, open_nofollow(tmp, "a") as f:
         for start in range(0, len(rows), cfg.batch_size):
             batch = rows[start:start + cfg.batch_size]
             have = []
@@ -108,8 +123,8 @@ def _merge(parts: list[Path], rows: list[dict], out: Path, stats: RegenStats) ->
             for line in f:
                 rec = json.loads(line)
                 queues.setdefault(rec["id"], deque()).append(rec)
-    tmp = out.with_name(out.name + ".merging")
-    with open(tmp, "w", encoding="utf-8") as f:
+    tmp = _merging(out)
+    with open_nofollow(tmp, "w") as f:
         for r in rows:
             rec = queues[r["id"]].popleft()
             if "_skipped" in rec:
@@ -120,6 +135,15 @@ def _merge(parts: list[Path], rows: list[dict], out: Path, stats: RegenStats) ->
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out)
+
+
+def _merging(out: Path) -> Path:
+    return out.with_name(out.name + ".merging")
+
+
+def _lock_path(part: Path) -> Path:
+    """One writer per output (per rank part under a launcher): OUT.lock, or OUT.rankR.lock."""
+    return part.with_suffix(".lock")
 
 
 # ---- entry point -----------------------------------------------------------------------------------------
@@ -134,7 +158,8 @@ def _check_out(out: Path, recipe=None, part: Path | None = None) -> None:
         raise ValueError(f"--out {out}: use a .jsonl name so that data.train_files can read it back")
     if out.exists():
         raise ValueError(f"--out {out} already exists; delete it or choose another path")
-    temps = [] if part is None else [part, part.with_suffix(".done"), part.with_name(part.name + ".meta.json")]
+    temps = [] if part is None else [part, part.with_suffix(".done"), part.with_name(part.name + ".meta.json"),
+                                     _lock_path(part), _merging(out)]
     check_file_placement(out, [("target", recipe.target.name_or_path)] if recipe else [], temps)
     if part is not None and part.exists() and not temps[2].is_file():
         raise FileExistsError(f"--out {out}: {part} exists but regenerate did not write it (no {temps[2].name} "
@@ -176,19 +201,50 @@ def regenerate(recipe_path: str, overrides: list[str], out: str | Path, cfg: Reg
         raise ValueError("--server: run one client process (it sends --concurrency requests at once), not "
                          f"{world} ranks under a launcher")
     rows, report = _load_rows(recipe, cfg.n)
-    stats = RegenStats()
     meta = {"target": recipe.target.name_or_path, "dtype": recipe.target.dtype, "format": recipe.data.format,
             "train_files": list(recipe.data.train_files), "max_rows": recipe.data.max_rows,
-            "world_size": world, **asdict(cfg)}
+            "input_sha256": _rows_digest(rows), "world_size": world, **asdict(cfg)}
     if server is not None:  # the URLs and the concurrency may change between runs; who answers may not
         meta.update(dtype="server", server_model=server.model)
     part = out.with_name(f"{out.name}.rank{rank}.tmp" if world > 1 else f"{out.name}.tmp")
     _check_out(out, recipe, part)
+    with exclusive_lock(_lock_path(part), f"--out {out}"):
+        _check_out(out, recipe, part)  # again under the lock: a run that held it may have finished `out`
+        stats = _answer_and_merge(recipe, rows, out, part, meta, cfg, server, (rank, world))
+    if stats.failed or rank != 0:
+        return stats
+    stats.skipped.update({f"malformed input: {k}": v for k, v in report.skipped.items()})
+    stats.wall_s = time.perf_counter() - t_start
+    print("\n".join(stats.lines()) + f"\nregenerate: wrote {out}", flush=True)
+    return stats
+
+
+def _answer_server(server, rows: list[dict], part: Path, cfg: RegenConfig, stats: RegenStats) -> None:
+    """The server path; a setup error (bad key, unknown model, redirect) removes the part it left empty, so that
+    the corrected rerun (e.g. another --server-model) is not refused as a change of settings."""
+    client = ChatClient(server)
+    try:
+        write_part_server(client, rows, part, cfg, stats)
+    except ServerConfigError:
+        if part.is_file() and part.stat().st_size == 0:
+            for q in (part, part.with_name(part.name + ".meta.json")):
+                q.unlink(missing_ok=True)
+        raise
+    if client.models:
+        print("regenerate: answered by " + ", ".join(f"{m} ({n})" for m, n in client.models.most_common()),
+              flush=True)
+
+
+def _answer_and_merge(recipe, rows, out: Path, part: Path, meta: dict, cfg: RegenConfig, server,
+                      rank_world: tuple[int, int]) -> RegenStats:
+    """This process's part (under the output's lock), then rank 0's merge of every part into `out`."""
+    rank, world = rank_world
+    stats, t_start = RegenStats(), time.perf_counter()
     marker = part.with_suffix(".done")
     marker.unlink(missing_ok=True)
     _check_meta(part, meta)
     if server is not None:
-        write_part_server(ChatClient(server), rows, part, cfg, stats)
+        _answer_server(server, rows, part, cfg, stats)
         if stats.failed:
             stats.wall_s = time.perf_counter() - t_start
             print("\n".join(stats.lines()) + f"\nregenerate: {stats.failed} rows got no answer; {out} not written. "
@@ -212,9 +268,6 @@ def regenerate(recipe_path: str, overrides: list[str], out: str | Path, cfg: Reg
     for p in parts:
         for q in (p, p.with_suffix(".done"), p.with_name(p.name + ".meta.json")):
             q.unlink(missing_ok=True)
-    stats.skipped.update({f"malformed input: {k}": v for k, v in report.skipped.items()})
-    stats.wall_s = time.perf_counter() - t_start
-    print("\n".join(stats.lines()) + f"\nregenerate: wrote {out}", flush=True)
     return stats
 
 

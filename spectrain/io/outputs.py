@@ -103,6 +103,52 @@ def append_text_safe(path, text: str) -> None:
         f.write(text)
 
 
+_MODE_FLAGS = {"a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+               "r+b": os.O_RDWR}
+
+
+def open_nofollow(path, mode: str = "a", encoding: str | None = "utf-8"):
+    """``open(path, mode)`` for mode "a", "w" or "r+b" that refuses a symlink at ``path`` instead of writing
+    through it (a link planted at a temp name between the placement check and the write)."""
+    fd = _open_nofollow(Path(path), _MODE_FLAGS[mode])
+    return os.fdopen(fd, mode, encoding=None if "b" in mode else encoding)
+
+
+class OutputLocked(FileExistsError):
+    """Another process holds the lock of this output."""
+
+
+@contextmanager
+def exclusive_lock(path, what: str) -> Iterator[Path]:
+    """Hold an advisory ``flock`` on ``path`` (created, never through a symlink) while the body runs: a second
+    process asking for it is refused at once, naming ``what``. The kernel drops the lock when the holder dies,
+    so a killed run never leaves a stale lock; the file is removed on exit (while still held, so that a
+    waiting process re-checks the inode it locked)."""
+    import fcntl
+
+    path = Path(path)
+    while True:
+        fd = _open_nofollow(path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputLocked(f"{what} is being written by another spectrain process (it holds {path}): wait for "
+                               "it to finish or choose another output path") from None
+        try:  # the holder before us may have removed the file after we opened it: lock the one at the path
+            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
 # ---- what a directory is: spectrain's marker, or the files an older spectrain left -----------------------
 
 
