@@ -12,12 +12,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG, OUT = ROOT / "spectrain", ROOT / "docs" / "layout.md"
-FOLDERS = ["", "io", "recipe", "target", "decoding", "data", "drafters", "drafters/eagle3", "train", "eval", "export"]
+FOLDERS = ["", "io", "engines", "recipe", "target", "decoding", "data", "drafters", "drafters/eagle3", "train", "eval", "export"]
 INTRO = """# Package layout
 
 The folders are the pipeline: `recipe/` (what to run) -> `target/` (the frozen model) -> `data/` (rows and
 features) -> `drafters/` (the families) -> `train/` (the one loop) and `decoding/` (the lossless decoder) -> `eval/`
-(reports) -> `export/` (serving formats); `io/` lies beneath them all, `cli.py` above. A lower layer never imports
+(reports) -> `export/` (serving formats); `io/` lies beneath them all, with `engines/` (real serving engines:
+fetched, built, run as servers; torch-free) just above it, and `cli.py` above everything. A lower layer never imports
 a higher one and there is no import cycle, function-level imports included: `tests/test_architecture.py` reads the
 import graph from the source and fails on either (the only lazy imports are `cli.py`'s, for start-up time).
 

@@ -23,8 +23,8 @@ LAYERS = [
     ["spectrain.data"],
     ["spectrain.drafters"],
     ["spectrain.train"],
-    ["spectrain.eval"],
     ["spectrain.export"],
+    ["spectrain.eval"],
     ["spectrain.cli", "spectrain.__main__", "spectrain"],
 ]
 # Function-level imports of spectrain modules that are allowed, each for its reason.

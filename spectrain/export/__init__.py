@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spectrain import registry
-from spectrain.eval.harness import parse_tree
 from spectrain.export.common import ExportError, read_config, resolve_source
 from spectrain.export.eagle3 import (
     export_sglang_eagle3,
@@ -37,7 +36,14 @@ from spectrain.export.eagle3 import (
 )
 from spectrain.export.hf_draft import export_hf_draft, validate_hf_draft
 from spectrain.export.medusa import export_medusa, export_vllm_medusa, validate_medusa, validate_vllm_medusa
-from spectrain.export.serving import ENGINE_NAMES, ENGINES, readme_section, resolve_decode, serve_commands
+from spectrain.export.serving import (
+    ENGINE_NAMES,
+    ENGINES,
+    parse_tree,
+    readme_section,
+    resolve_decode,
+    serve_commands,
+)
 from spectrain.io.errors import writing
 from spectrain.io.integrity import problems
 from spectrain.io.outputs import guard_export

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from spectrain.recipe.deploy import ENGINE_NAMES, ENGINES, NO_MEDUSA, to_layer_outputs
 
-__all__ = ["ENGINES", "ENGINE_NAMES", "ServeCommand", "readme_section", "resolve_decode", "serve_commands"]
+__all__ = ["ENGINES", "ENGINE_NAMES", "ServeCommand", "parse_tree", "readme_section", "resolve_decode", "serve_commands"]
 
 _VLLM_DOC = "vLLM docs features/speculative_decoding (`vllm serve MODEL --speculative-config JSON`)"
 _VLLM_CFG = "vllm/config/speculative.py SpeculativeConfig"
@@ -69,6 +69,23 @@ ENGINE_FLAGS: dict[str, dict[str, str]] = {
 # export format -> the engines that load it
 FORMAT_ENGINES = {"vllm-eagle3": ("vllm",), "sglang-eagle3": ("sglang", "trtllm"), "vllm-medusa": ("vllm",),
                   "medusa": ("trtllm",), "hf-draft": ("vllm", "sglang", "trtllm")}
+
+
+
+def parse_tree(spec: str) -> dict:
+    """'topk=4,depth=5,total=32' -> {'topk': 4, 'depth': 5, 'total_tokens': 32}."""
+    names = {"topk": "topk", "depth": "depth", "total": "total_tokens", "total_tokens": "total_tokens"}
+    tree = {}
+    for part in filter(None, (s.strip() for s in spec.split(","))):
+        key, _, val = part.partition("=")
+        if key not in names or not val.isdigit() or int(val) <= 0:
+            raise ValueError(f"--tree {spec!r}: expected positive integers for topk=,depth=,total=, "
+                             f"e.g. topk=4,depth=5,total=32 (bad part {part!r})")
+        tree[names[key]] = int(val)
+    if "depth" not in tree or "topk" not in tree:
+        raise ValueError(f"--tree {spec!r}: needs at least topk= and depth=, e.g. topk=4,depth=5,total=32")
+    tree.setdefault("total_tokens", tree["topk"] * tree["depth"])
+    return tree
 
 
 @dataclass

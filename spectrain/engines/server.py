@@ -1,0 +1,184 @@
+"""One `llama-server` on 127.0.0.1: started, asked, measured, stopped by its own process id.
+
+    with LlamaServer(engine, "SmolLM2.Q4_1.gguf", draft="head.gguf", spec_type="draft-eagle3", k=3) as s:
+        r = s.complete(prompt_ids, n_predict=64, temperature=0.0, seed=0)
+        r.tokens, r.draft_n, r.accepted_per_pos, r.predicted_per_second
+
+One slot (``-np 1``: the server's default is 4, which splits the context and batches requests), threads
+stated, p_min 0 (every step drafts k tokens, so per-position counts are conditional acceptance as spectrain
+defines it), ``--metrics`` on: the per-position accepted counters are cumulative over the server's life,
+so each request's counts are the difference of ``/metrics`` read before and after it (one slot, requests in
+sequence: nothing else moves them). The server runs in its own session and is stopped through its process
+group, so no worker survives a crash of the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from spectrain.engines.llama_cpp import Engine
+
+START_TIMEOUT = 180.0  # seconds for a server to load its models and answer /health
+_METRIC = re.compile(r'^llamacpp:(spec_decode_[a-z_]+)(?:\{position="(\d+)"\})?\s+([0-9.eE+-]+)$')
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    text: str
+    predicted_n: int
+    predicted_per_second: float
+    predicted_ms: float
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    drafts: int = 0  # verification steps
+    accepted_per_pos: list[int] = field(default_factory=list)  # steps whose position i was accepted
+    top2_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per generated token
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(engine: Engine, model: Path, port: int, threads: int, ctx: int, draft: Path | None = None,
+                   spec_type: str | None = None, k: int | None = None) -> list[str]:
+    cmd = [str(engine.binary("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "-np", "1", "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "--metrics", "--no-webui"]
+    if spec_type:
+        cmd += ["--spec-type", spec_type, "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
+                "--spec-draft-p-min", "0"]
+    if draft is not None:
+        cmd += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
+    return cmd
+
+
+class LlamaServer:
+    """A llama-server process: a context manager that starts it, waits for /health and stops it."""
+
+    def __init__(self, engine: Engine, model: str | Path, *, draft: str | Path | None = None,
+                 spec_type: str | None = None, k: int | None = None, threads: int = 2, ctx: int = 4096,
+                 log: str | Path | None = None, timeout: float = 600.0):
+        if draft is not None and spec_type is None:
+            raise ValueError("a draft model needs a --spec-type (llama-server loads a draft it is not told to use "
+                             "and does not speculate)")
+        if spec_type is not None and (k is None or k < 1):
+            raise ValueError(f"speculation needs k >= 1, got {k}")
+        self.port = free_port()
+        self.cmd = server_command(engine, Path(model), self.port, threads, ctx,
+                                  Path(draft) if draft is not None else None, spec_type, k)
+        self.log = Path(log) if log else Path(os.devnull)
+        self.timeout = timeout
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LlamaServer:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode} while starting: "
+                                   f"{self._tail()} (log {self.log})")
+            try:
+                if self._get("/health", timeout=2.0).get("status") == "ok":
+                    return self
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"llama-server did not answer /health within {START_TIMEOUT:.0f} s (log {self.log})")
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Its whole process group: SIGTERM, then SIGKILL after 10 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def _tail(self) -> str:
+        try:
+            lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return "no log"
+        return " | ".join(lines[-3:])[-400:]
+
+    def _get(self, path: str, timeout: float | None = None):
+        with urllib.request.urlopen(self.url + path, timeout=timeout or self.timeout) as r:
+            body = r.read()
+        return json.loads(body) if path != "/metrics" else body.decode()
+
+    def spec_counters(self) -> dict:
+        """The cumulative speculative counters of /metrics: drafts, drafted, accepted, accepted per position."""
+        out: dict = {"per_pos": {}}
+        for line in self._get("/metrics").splitlines():
+            m = _METRIC.match(line.strip())
+            if not m:
+                continue
+            name, pos, value = m.group(1), m.group(2), float(m.group(3))
+            if pos is not None:
+                out["per_pos"][int(pos)] = int(value)
+            else:
+                out[name] = int(value)
+        return out
+
+    def complete(self, prompt: list[int], n_predict: int, temperature: float, seed: int,
+                 top2: bool = False) -> Completion:
+        """One /completion over token ids (the chat template is applied by the caller, as spectrain eval does)."""
+        before = self.spec_counters()
+        body = {"prompt": prompt, "n_predict": n_predict, "temperature": temperature, "seed": seed,
+                "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+                "ignore_eos": False, "cache_prompt": False, "return_tokens": True, "stream": False,
+                "n_probs": 2 if top2 else 0, "post_sampling_probs": False}
+        req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                res = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"llama-server answered {e.code}: {e.read()[:300]!r} (log {self.log})") from e
+        return _completion(res, before, self.spec_counters(), top2)
+
+
+def _completion(res: dict, before: dict, after: dict, top2: bool) -> Completion:
+    t = res.get("timings", {})
+    per_pos = [after["per_pos"].get(i, 0) - before["per_pos"].get(i, 0) for i in sorted(after["per_pos"])]
+    probs = []
+    if top2:
+        for step in res.get("completion_probabilities", []):
+            probs.append([(int(c["id"]), float(c["logprob"])) for c in step.get("top_logprobs", [])[:2]])
+    return Completion(
+        tokens=[int(x) for x in res.get("tokens", [])], text=res.get("content", ""),
+        predicted_n=int(t.get("predicted_n", 0)), predicted_per_second=float(t.get("predicted_per_second", 0.0)),
+        predicted_ms=float(t.get("predicted_ms", 0.0)), draft_n=int(t.get("draft_n", 0)),
+        draft_n_accepted=int(t.get("draft_n_accepted", 0)),
+        drafts=after.get("spec_decode_num_drafts_total", 0) - before.get("spec_decode_num_drafts_total", 0),
+        accepted_per_pos=per_pos, top2_logprobs=probs)
