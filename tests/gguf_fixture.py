@@ -7,6 +7,7 @@ in llama.cpp's tensor naming; transformers reads it back exactly as it reads a r
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -42,11 +43,13 @@ def _tokenizer(w) -> int:
     return len(tokens)
 
 
-def write_tiny_gguf(path: Path, quant: str = "Q8_0", seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, quant: str = "Q8_0", seed: int = 0, arch: str = "llama") -> Path:
+    """``arch`` is the GGUF architecture written (keys and name): "t5" makes a seq2seq file, an unknown name
+    one transformers does not support; the tensors stay llama's (the file is refused before they matter)."""
     import gguf
 
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-test-llama")
     vocab = _tokenizer(w)
     w.add_block_count(LAYERS)
@@ -86,3 +89,17 @@ def write_tiny_gguf(path: Path, quant: str = "Q8_0", seed: int = 0) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def damaged_copies(good: Path, where: Path) -> dict[str, Path]:
+    """Broken variants of a good GGUF file, by the cause their error must name."""
+    data = good.read_bytes()
+    bad_count = bytearray(data)
+    bad_count[16:24] = struct.pack("<Q", 2**40)  # the metadata entry count of the header
+    variants = {"truncated": data[: len(data) // 2], "truncated_tail": data[:-4096], "not_gguf": b"<html>404</html>" * 8,
+                "empty": b"", "damaged_header": bytes(bad_count)}
+    out = {}
+    for kind, blob in variants.items():
+        out[kind] = where / f"{kind}.gguf"
+        out[kind].write_bytes(blob)
+    return out

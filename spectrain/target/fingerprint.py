@@ -1,8 +1,11 @@
 """The identity of a target: which model every drafter, checkpoint and feature cache was trained against.
 
 v2 hashes the config and every parameter (bf16-rounded, by name), plus the GGUF file and quantization a
-dequantized target came from; a local target's value is cached by its files' size and mtime. v1 (older
-spectrain) hashed a few rows and is still compared when a recorded value is v1.
+dequantized target came from. A local target's value is cached by its files' inode, size, mtime and ctime:
+an edit that restores size and mtime still changes the ctime (which no user can set back), and a file
+changed within the last RACY_NS, or on a filesystem that keeps no ctime, is not cached (a second change
+within the timestamp's resolution could keep it), so it is hashed in full again. v1 (older spectrain)
+hashed a few rows and is still compared when a recorded value is v1.
 """
 
 from __future__ import annotations
@@ -10,13 +13,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
 
+from spectrain.io.integrity import WEIGHT_SUFFIXES
 from spectrain.io.outputs import write_text_safe
+from spectrain.target.gguf import untrusted_file
 from spectrain.target.model import gathered
 
+RACY_NS = 2_000_000_000  # a file changed this recently (or later) is not cached: timestamps have a resolution
 FINGERPRINT_PREFIX = "v2-"  # v2: every parameter + the config; older checkpoints / caches hold a v1 value
 _VOLATILE_CONFIG = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation_autoset",
                     "use_cache", "_commit_hash", "attn_implementation", "_attn_implementation"}
@@ -48,15 +55,39 @@ def _sharded(model) -> bool:
 
 def _cache_key(target) -> tuple[Path, dict] | None:
     """Where a local target's fingerprint is cached (the user's cache dir, never the model's own directory),
-    and the size + mtime of its files that must still match. None: not a local directory."""
+    and the inode, size, mtime and ctime of its weight and JSON files that must still match. None: not a
+    local directory."""
     root = Path(str(getattr(target, "load_path", None) or target.name_or_path)).expanduser()  # a GGUF's copy
     if not root.is_dir():
         return None
-    files = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(root.iterdir())
-             if f.is_file() and (f.suffix in (".safetensors", ".bin") or f.name == "config.json")}
+    files = {}
+    for f in sorted(root.iterdir()):
+        if f.is_file() and f.suffix in (*WEIGHT_SUFFIXES, ".json"):
+            st = f.stat()  # follows a link (an HF cache snapshot links into blobs/), which is recorded too
+            files[f.name] = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns] + \
+                ([os.readlink(f)] if f.is_symlink() else [])
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spectrain" / "fingerprints"
     name = str(root.resolve()) + _gguf_blob(target).decode()
     return base / (hashlib.sha256(name.encode()).hexdigest()[:24] + ".json"), files
+
+
+def _stats_trusted(files: dict, now_ns: int) -> bool:
+    """The stats can stand for the content: every ctime is set and older than RACY_NS."""
+    ctimes = [v[3] for v in files.values()]
+    return all(ctimes) and now_ns - max(ctimes, default=0) >= RACY_NS
+
+
+def _cached_value(record: Path, files: dict) -> str | None:
+    """The recorded fingerprint when the record is the user's own and the files' stats still match."""
+    try:
+        if untrusted_file(record, record.lstat()):
+            return None  # another user could have written it
+        rec = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    fp = rec.get("fingerprint") if isinstance(rec, dict) else None
+    ok = rec.get("files") == json.loads(json.dumps(files)) and str(fp or "").startswith(FINGERPRINT_PREFIX)
+    return fp if ok else None
 
 
 def _gguf_blob(target) -> bytes:
@@ -79,24 +110,22 @@ def _stream_hash(target) -> str:
 
 def target_fingerprint(target) -> str:
     """Identity of a target: its config and every parameter (v2). A local target's value is cached by its
-    files' size and mtime, so a new target costs one pass over its weights and a known one costs nothing."""
+    files' inode, size, mtime and ctime, so a new target costs one pass over its weights and a known one
+    costs nothing."""
     cached = getattr(target, "_spectrain_fingerprint", None)
     if cached:
         return cached
     key = None if _sharded(target.model) else _cache_key(target)  # sharded: every rank computes (collectives)
-    if key is not None:
-        try:
-            rec = json.loads(key[0].read_text())
-            if rec.get("files") == key[1] and str(rec.get("fingerprint", "")).startswith(FINGERPRINT_PREFIX):
-                target._spectrain_fingerprint = rec["fingerprint"]
-                return rec["fingerprint"]
-        except (OSError, ValueError, AttributeError):
-            pass
+    stat_time = time.time_ns()
+    if key is not None and (fp := _cached_value(*key)):
+        target._spectrain_fingerprint = fp
+        return fp
     fp = _stream_hash(target)
-    if key is not None:
+    if key is not None and _stats_trusted(key[1], stat_time):
         try:
             key[0].parent.mkdir(parents=True, exist_ok=True)
             write_text_safe(key[0], json.dumps({"target": str(target.name_or_path), "files": key[1], "fingerprint": fp}))
+            os.chmod(key[0], 0o600)  # whatever the umask: a record others can write is ignored
         except OSError:
             pass  # a read-only cache dir: the value is recomputed next time
     try:

@@ -11,6 +11,14 @@ into a temporary directory and renamed, so an interrupted conversion leaves noth
 loads read that checkpoint in seconds. ``spectrain_gguf.json`` in it records the GGUF file's sha256,
 its quantization type and the source; the target fingerprint includes it.
 
+The entry is verified, not believed: ``SHA256SUMS`` (spectrain.io.integrity) lists every file in it and is
+checked on every load; a file that differs, is missing or is not listed makes the entry stale (re-created,
+with a warning). An entry spectrain cannot trust or should not delete is refused, naming it: a symbolic
+link (the entry or anything inside it), a file another user owns, or one its group or others can write
+(a shared ``SPECTRAIN_CACHE_DIR``). A GGUF file is checked before conversion, so a truncated file, a file
+that is not a GGUF, an architecture transformers cannot read and a model that is not a causal LM each get
+their own one-line error.
+
 The drafter is trained against the *dequantized* weights: a served deployment should verify with the
 same weights (the same GGUF through an engine that dequantizes it the same way, or this checkpoint).
 """
@@ -21,9 +29,11 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
+import warnings
 import zipfile
 from collections import Counter
 from dataclasses import dataclass
@@ -32,7 +42,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from spectrain.io.integrity import sha256
+from spectrain.io.integrity import MANIFEST, problems, read_manifest, seal, sha256
 
 MARKER = "spectrain_gguf.json"
 
@@ -105,55 +115,174 @@ def _local_gguf(where: str, name: str, name_was_path: bool = False) -> tuple[Pat
     return local.parent, local.name
 
 
-def quant_type(path: Path) -> str:
+def quant_type(path_or_reader) -> str:
     """The most common tensor type among the 2-D (weight matrix) tensors, e.g. Q4_1."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    reader = path_or_reader if isinstance(path_or_reader, GGUFReader) else GGUFReader(str(path_or_reader))
     kinds = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2)
     return kinds.most_common(1)[0][0] if kinds else "unknown"
 
 
 def dequantized_checkpoint(folder: Path, name: str) -> Path:
-    """The cached checkpoint for folder/name, made atomically on first use."""
+    """The cached checkpoint for folder/name: verified on every use, made atomically when absent or stale."""
     src = folder / name
     sha = sha256(src)
     out = cache_root() / "gguf" / f"{Path(name).stem}-{sha[:16]}"
-    info = gguf_info(out)
-    if info is not None and info.get("gguf_sha256") == sha:
+    if entry_is_current(out, sha):
         return out
     if importlib.util.find_spec("gguf") is None:
         raise ImportError("loading a GGUF target needs the `gguf` package: pip install gguf "
                           "(or pip install 'spectrain[gguf]')")
+    reader = check_gguf_file(src)  # one parse of the file serves the checks and the quantization type
+    _refuse_if_not_causal(folder, name, reader)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}.", dir=out.parent))
     try:
         _convert(folder, name, tmp)
         meta = {"gguf_sha256": sha, "gguf_file": name, "source": str(src.resolve()),
-                "quant_type": quant_type(src), "note": "dequantized by transformers; fp32 safetensors"}
+                "quant_type": quant_type(reader), "note": "dequantized by transformers; fp32 safetensors"}
         (tmp / MARKER).write_text(json.dumps(meta, indent=2))
-        if out.exists():  # a stale or foreign conversion of this name: replaced only if it is ours
-            if gguf_info(out) is None:
-                raise FileExistsError(f"{out} exists and is not a spectrain GGUF conversion; move it away")
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        seal(tmp)  # SHA256SUMS of every file, checked on each load; modes 0644 / 0755 minus the umask
+        if not entry_is_current(out, sha):  # another process may have installed a good one meanwhile
+            if out.exists():
+                shutil.rmtree(out)  # ours, private and stale: entry_is_current refused anything else
+            os.replace(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
+def untrusted_file(path: Path, st: os.stat_result) -> str | None:
+    """Why a cache file cannot be trusted: another user owns it, or others can write it (a shared cache dir)."""
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by its group or by other users"
+    return None
+
+
+def _entry_files(out: Path) -> set[str]:
+    """The files of a cache entry (relative paths), refusing what spectrain never makes there: a link, a file
+    or directory another user owns or can write."""
+    found = set()
+    for dirpath, dirs, names in os.walk(out):
+        for p in ([out] if dirpath == str(out) else []) + [Path(dirpath) / n for n in dirs + names]:
+            why = f"{p} is a symbolic link" if p.is_symlink() else untrusted_file(p, p.lstat())
+            if why:
+                raise GGUFError(f"GGUF cache entry {out} is not used: {why}; a cache entry holds only files you "
+                                f"alone can write: remove it (rm -r {out}) to have it re-created, or set "
+                                "SPECTRAIN_CACHE_DIR to a directory of your own")
+        found.update((Path(dirpath) / n).relative_to(out).as_posix() for n in names)
+    return found
+
+
+def entry_is_current(out: Path, sha: str) -> bool:
+    """The cache entry ``out`` is a verified conversion of the GGUF with this sha256. False when it is absent
+    or stale (spectrain re-creates it); GGUFError when it cannot be trusted or replaced (named, left alone)."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise GGUFError(f"GGUF cache entry {out} is a symbolic link or a file, not a directory spectrain made: "
+                        f"remove it (rm {out}) to have it re-created")
+    if not out.exists():
+        return False
+    files = _entry_files(out)
+    listed = read_manifest(out) if (out / MANIFEST).is_file() else None
+    if listed is None:
+        if MARKER not in files:
+            raise FileExistsError(f"{out} exists and is not a spectrain GGUF conversion; move it away")
+        return _stale(out, f"it has no {MANIFEST} (made by an older spectrain)")
+    unlisted = sorted(files - set(listed) - {MANIFEST})
+    bad = problems(out) + [f"{out / u} is not listed in {MANIFEST}" for u in unlisted]
+    if bad:
+        return _stale(out, bad[0])
+    if (gguf_info(out) or {}).get("gguf_sha256") != sha:
+        return _stale(out, f"its {MARKER} names another GGUF file")
+    return True
+
+
+def _stale(out: Path, why: str) -> bool:
+    warnings.warn(f"GGUF cache entry {out} failed its check ({why}): re-creating it", stacklevel=3)
+    return False
+
+
+def _refuse_if_not_causal(folder: Path, name: str, reader) -> None:
+    """An architecture transformers reads from GGUF, of a causal LM. The common architectures are causal LM
+    model types by name; only the others (aliases, seq2seq, unknown) cost a second parse of the metadata."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    field = reader.fields.get("general.architecture")
+    arch = str(field.contents()) if field is not None else "unknown"
+    if arch in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    try:
+        config = AutoConfig.from_pretrained(str(folder), gguf_file=name)
+    except (ValueError, KeyError, NotImplementedError):
+        known = ", ".join(sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")))
+        raise GGUFError(f"{name}: architecture {arch!r} is not one transformers {transformers.__version__} reads "
+                        f"from GGUF (it reads {known}); use an HF checkpoint of the model, or a GGUF of a supported "
+                        "family") from None
+    archs = getattr(config, "architectures", None) or []
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or any(a.endswith("EncoderModel") for a in archs):
+        raise GGUFError(f"{name} holds a {config.model_type} model (GGUF architecture {arch!r}), not a causal LM: a "
+                        "target is a decoder-only causal LM (llama, qwen2, mistral, ...)")
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot become a target, with the cause named (bad input: exit status 2)."""
+
+
+def _short(e: BaseException, n: int = 160) -> str:
+    """A library's message in one bounded line (transformers lists ~300 config classes in some)."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:n]}{'...' if len(text) > n else ''}"
+
+
+def check_gguf_file(path: Path):
+    """Refuse a file that is not a GGUF, has a damaged header or is truncated, naming which, before
+    transformers reads it (its errors for these blame the architecture or JSON)."""
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(24)
+    if head[:4] != b"GGUF":
+        raise GGUFError(f"{path} is not a GGUF file (it starts with {head[:4]!r}, a GGUF file with b'GGUF'): give "
+                        "the .gguf file itself")
+    if len(head) < 24:
+        raise GGUFError(f"{path} is truncated: {size} bytes, shorter than a GGUF header; download or copy it again")
+    order = "<" if int.from_bytes(head[4:8], "little") < 0x10000 else ">"  # big-endian files exist too
+    version, n_tensors, n_kv = struct.unpack(order + "IQQ", head[4:24])
+    # every tensor entry takes >= 24 bytes and every metadata entry >= 12: larger counts are damage
+    if n_tensors * 24 > size or n_kv * 12 > size:
+        raise GGUFError(f"{path} has a damaged header: it declares {n_kv} metadata entries and {n_tensors} tensors, "
+                        f"more than its {size} bytes can hold; download or copy it again")
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - any failure to parse a well-started file: it ends too early or is damaged
+        raise GGUFError(f"{path} is truncated (or damaged): what its GGUF v{version} header declares does not fit "
+                        f"its {size} bytes ({_short(e, 80)}); download or copy it again") from None
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if end > size:
+        raise GGUFError(f"{path} is truncated: its tensors need {end} bytes, the file has {size}; download or copy "
+                        "it again")
+    return reader
+
+
 def _convert(folder: Path, name: str, out: Path) -> None:
     try:
         quantized = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32)
-    except (ValueError, NotImplementedError, KeyError) as e:
-        raise ValueError(f"transformers cannot dequantize {name} ({type(e).__name__}: {e}); its architecture or "
-                         "quantization type is not supported by this transformers version") from None
+    except (ValueError, NotImplementedError, KeyError) as e:  # the file and architecture were checked: the tensors
+        raise GGUFError(f"transformers cannot dequantize {name} ({_short(e)}); its quantization type or tensor "
+                        "layout is not supported by this transformers version") from None
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
     except Exception as e:  # noqa: BLE001 - any failure here means "no usable tokenizer in the file"
-        raise ValueError(f"{name} carries no tokenizer transformers can read ({type(e).__name__}: {e}); "
-                         "a target needs its tokenizer") from None
+        raise GGUFError(f"{name} carries no tokenizer transformers can read ({_short(e)}); a target needs its "
+                        "tokenizer") from None
     config = quantized.config
     config.quantization_config = None  # the copy is an ordinary fp32 model
     if hasattr(config, "_pre_quantization_dtype"):
