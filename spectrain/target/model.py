@@ -5,11 +5,16 @@ We never fork modelling code. Features come from forward hooks on the model's ow
 - the last layer's *pre-norm* output = a pre-hook on the final norm (``hidden_states[-1]`` in
   current transformers is already normed, so it cannot be used for that);
 - the final normed hidden state = a hook on the final norm's output.
+
+A 16-bit target's logits come from fp32 copies of the final norm and lm_head applied to the upcast pre-norm
+state (as serving engines compute them): bf16 logits of ~20-30 are spaced 0.125 apart, so near-ties become
+exact ties whose winner depends on the kernel path (one token per pass vs k + 1, a padded batch vs one row).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import os
 from dataclasses import dataclass, field
@@ -20,6 +25,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from spectrain.recipe.deploy import eagle_default_aux
+from spectrain.target.auto_dtype import DtypeChoice, auto_cpu_dtype
 from spectrain.target.gguf import gguf_info, resolve_target_path
 
 DTYPES = {
@@ -33,7 +39,8 @@ DTYPES = {
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:
-    """'auto' means bf16 on CUDA and fp32 elsewhere (CPU bf16 matmuls are slow and lossy)."""
+    """The dtype to load in. 'auto': bf16 on CUDA, fp32 elsewhere; on a CPU `load_target` may then switch the
+    loaded model to bf16 where the CPU computes it natively and it measures faster (target/auto_dtype.py)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
@@ -55,7 +62,7 @@ class TargetOutput:
 class FrozenTarget:
     """A frozen, eval-mode HF causal LM with its tokenizer and hook-based feature taps."""
 
-    def __init__(self, model: nn.Module, tokenizer=None, name_or_path: str | None = None):
+    def __init__(self, model: nn.Module, tokenizer=None, name_or_path: str | None = None, fp32_logits: bool = True):
         model.eval()
         model.requires_grad_(False)
         self.model = model
@@ -71,6 +78,9 @@ class FrozenTarget:
         # transformers >= 5.2x renamed `past_key_values` to `cache`; accept both.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.fp32_logits = fp32_logits  # 16-bit targets: logits from an fp32 norm + lm_head (module doc)
+        self._head32: tuple[nn.Module, nn.Module] | None = None
+        self.dtype_choice = DtypeChoice(str(self.dtype).replace("torch.", ""), "as loaded")
 
     # ---- facts -------------------------------------------------------------------------------
     @property
@@ -130,6 +140,18 @@ class FrozenTarget:
         """Rebuild teacher logits from the pre-norm last hidden state with the frozen norm + lm_head."""
         return self.lm_head(self.norm(last_hidden.to(self.dtype)))
 
+    def upcasts_logits(self) -> bool:
+        # ZeRO-3 shards cannot be copied whole; such targets keep their own head
+        return self.fp32_logits and self.dtype in (torch.bfloat16, torch.float16) and not hasattr(
+            self.lm_head.weight, "ds_shape")
+
+    def fp32_head_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from the pre-norm last hidden state: fp32 copies (made once) of the norm and lm_head."""
+        if self._head32 is None:
+            self._head32 = (copy.deepcopy(self.norm).float(), copy.deepcopy(self.lm_head).float())
+        norm, head = self._head32
+        return head(norm(last_hidden.to(head.weight.device, torch.float32)))
+
     @torch.no_grad()
     def forward(
         self,
@@ -145,9 +167,10 @@ class FrozenTarget:
     ) -> TargetOutput:
         captured: dict = {}
         handles = []
+        upcast = want_logits and self.upcasts_logits()
         for li in aux_layers:
             handles.append(self.layers[li].register_forward_pre_hook(_capture_input(captured, li), with_kwargs=True))
-        if want_last_hidden:
+        if want_last_hidden or upcast:
             handles.append(self.norm.register_forward_pre_hook(_capture_input(captured, "last"), with_kwargs=True))
         if want_final_hidden or not want_logits:
             handles.append(self.norm.register_forward_hook(_capture_output(captured, "final")))
@@ -156,15 +179,17 @@ class FrozenTarget:
                           use_cache=cache is not None if use_cache is None else use_cache)
             if cache is not None:
                 kwargs[self._cache_kw] = cache
-            if want_logits:
+            if want_logits and not upcast:
                 out = self.model(input_ids, **kwargs)
                 logits = out.logits
-            else:  # skip the (large) vocab projection
+            else:  # skip the model's own (16-bit or unwanted) vocab projection
                 out = self.model.get_decoder()(input_ids, **kwargs)
                 logits = None
         finally:
             for h in handles:
                 h.remove()
+        if upcast:  # after the taps are gone: the fp32 copies must not inherit them
+            logits = self.fp32_head_logits(captured["last"])
         new_cache = getattr(out, self._cache_kw, None)
         dev = self.device  # with a device_map the taps sit on different GPUs; callers get one device
 
@@ -174,7 +199,7 @@ class FrozenTarget:
         return TargetOutput(
             logits=here(logits),
             aux_hidden=[here(captured[li]) for li in aux_layers],
-            last_hidden=here(captured.get("last")),
+            last_hidden=here(captured.get("last")) if want_last_hidden else None,
             final_hidden=here(captured.get("final")),
             cache=new_cache if new_cache is not None else cache,
         )
@@ -272,10 +297,14 @@ def load_target(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
     gguf_file: str = "",
+    fp32_logits: bool = True,
+    verify_tokens: int = 6,
 ) -> FrozenTarget:
     """Load any HF causal LM (hub id or local dir) frozen, in eval mode, with its tokenizer. A GGUF file
     (a ``.gguf`` path, or a dir / hub repo plus ``gguf_file``) loads its cached dequantized checkpoint
-    (spectrain/target/gguf.py), made on first use."""
+    (spectrain/target/gguf.py), made on first use. ``fp32_logits``: a 16-bit target's logits from an fp32
+    norm + lm_head (module doc). ``verify_tokens``: the pass width (k + 1) that ``dtype="auto"`` times on a CPU.
+    ``target.dtype_choice`` says which dtype was used and why."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     shown, name_or_path = str(name_or_path), resolve_target_path(str(name_or_path), gguf_file)
@@ -295,8 +324,27 @@ def load_target(
         ) from e
     if device_map is None:
         model.to(device)
+    choice = _dtype_choice(model, dtype, device, device_map, name_or_path, verify_tokens, fp32_logits)
+    if choice.torch_dtype != torch_dtype:  # `auto` measured bf16 faster on this CPU
+        model.to(choice.torch_dtype)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    target = FrozenTarget(model, tokenizer, name_or_path=shown)
+    target = FrozenTarget(model, tokenizer, name_or_path=shown, fp32_logits=fp32_logits)
+    target.dtype_choice = choice
     target.load_path = name_or_path  # what transformers loaded (the dequantized checkpoint for a GGUF)
     target.gguf = gguf_info(name_or_path) if Path(name_or_path).is_dir() else None
     return target
+
+
+def _dtype_choice(model, dtype, device, device_map, path: str, verify_tokens: int, fp32_logits: bool) -> DtypeChoice:
+    """Why the target runs in its dtype (eval reports print this)."""
+    name = str(resolve_dtype(dtype, device)).replace("torch.", "")
+    if dtype not in (None, "auto"):
+        return DtypeChoice(name, f"{name}: asked for (dtype={str(dtype).replace('torch.', '')})")
+    if device_map is not None or torch.device(device).type != "cpu":
+        return DtypeChoice(name, f"{name}: auto on {torch.device(device).type}")
+    key = str(Path(path).resolve()) if Path(path).exists() else path
+
+    def wrap(m):
+        return FrozenTarget(m, fp32_logits=fp32_logits)
+
+    return auto_cpu_dtype(model, wrap, key, verify_tokens)
