@@ -148,13 +148,40 @@ def validate_args(args) -> None:
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
-    args.tree = [parse_tree(t) for t in args.tree]
+    raw_trees, args.tree = args.tree, [parse_tree(t) for t in args.tree]
+    _refuse_repeats(args, raw_trees)
     for d in args.drafter:
         if is_hf_spec(d):
             parse_hf_spec(d)
 
     validate_sweep_args(args)
     check_out(args)
+
+
+def _refuse_repeats(args, raw_trees: list[str]) -> None:
+    """A value given twice would be decoded twice and then collide in the report, after all the decoding."""
+    for flag, values, shown in (("--k", args.k, args.k), ("--temperature", args.temperature, args.temperature),
+                                ("--tree", args.tree, raw_trees), ("--drafter", args.drafter, args.drafter),
+                                ("--prompts", args.prompts or [], args.prompts or [])):
+        for i, v in enumerate(values):
+            if v in values[:i]:
+                first = shown[values.index(v)]
+                also = f" (also as {first})" if str(first) != str(shown[i]) else ""
+                raise ValueError(f"{flag} {shown[i]} is given twice{also}: each value is decoded once and is one "
+                                 "row of the report; give each value once")
+
+
+HF_SKIPS = {"--batch-size": "HF's generate decodes one row at a time",
+            "the chain-length pick": "HF's generate is another decoding loop than the one the cost curve models"}
+
+
+def _note_hf_skipped(drafters, what: str) -> list[str]:
+    """HF baselines are not measured per batch size nor picked a chain length: said, as for --tree, instead of
+    leaving a table with a header and no rows."""
+    hf = [d for d in dict.fromkeys(drafters) if is_hf_spec(d)]
+    if hf:
+        print(f"note: {', '.join(hf)}: {what} skipped ({HF_SKIPS[what]})", file=sys.stderr)
+    return hf
 
 
 def check_out(args) -> None:
@@ -290,7 +317,12 @@ def main(args) -> int:
     meta = report.run_metadata(args, target_name, target, sets, baselines)
 
     own = {d: c for d, c in plan.items() if not is_hf_spec(d)}  # HF's assisted generation decodes B = 1 only
-    sweep = batch_sweep(target, drafters, own, encoded, args) if getattr(args, "batch_size", None) else None
+    sweep = None
+    if getattr(args, "batch_size", None):
+        skipped = _note_hf_skipped(plan, "--batch-size")
+        sweep = batch_sweep(target, drafters, own, encoded, args) if own else None  # no rows: no table at all
+        if sweep is not None and skipped:
+            sweep["skipped"] = {d: HF_SKIPS["--batch-size"] for d in skipped}
     costs = _cost_curve(target, records, args, meta) if args.cost_curve else None
     if sweep is not None and costs:
         curves = {int(b): {int(t): v for t, v in c.items()} for b, c in meta["cost_curve"]["seconds"].items()}
@@ -323,11 +355,16 @@ def _cost_curve(target, records: list[dict], args, meta: dict) -> str:
     """The measured verification cost curve (B = 1 and every --batch-size) and the chain length it picks."""
     curves = {b: cc.measure_curve(target, batch=b) for b in sorted({1, *(getattr(args, "batch_size", None) or [])})}
     recs = cc.recommend([r for r in records if not is_hf_spec(r["drafter"])], curves[1])
+    skipped = _note_hf_skipped([r["drafter"] for r in records], "the chain-length pick")
+    pick = cc.recommend_markdown(recs) if recs else ["No chain length to pick: no spectrain drafter drafting "
+                                                     "chains was evaluated."]
+    if skipped:
+        pick += ["", f"Not in this table: {', '.join(skipped)} ({HF_SKIPS['the chain-length pick']})."]
     meta["cost_curve"] = {"seconds": {str(b): {str(t): v for t, v in c.items()} for b, c in curves.items()},
                           "recommendations": recs, "context_tokens": 200}
     return "\n".join(["## Verification cost curve (measured: one target pass over t new tokens, 200 cached)", "",
                       cc.curve_table(curves), "", "## Chain length picked from the measured curve (B = 1)", "",
-                      *cc.recommend_markdown(recs)])
+                      *pick])
 
 
 def _encode_all(sets: list[PromptSet], tokenizer, max_len: int | None, args) -> dict[str, list[list[int]]]:

@@ -275,6 +275,8 @@ def sweep_markdown(sw: dict) -> list[str]:
                   f"| {curve} | {where(x.get('predicted_deployment'))} |")
     md += ["", "Crossover = the largest batch size whose speculative throughput still beats plain decoding "
            f"(measured over B = {', '.join(map(str, sw['batch_sizes']))}; the deployment prediction over B = 1..512)."]
+    if sw.get("skipped"):  # HF baselines: said, not silently missing
+        md += ["", "Not in these tables: " + "; ".join(f"{d} ({why})" for d, why in sw["skipped"].items()) + "."]
     return md
 
 

@@ -120,15 +120,21 @@ def _vllm_config(cfg: dict, aux: list[int], dtype: str, target: str, tcfg: dict 
             "torch_dtype": dtype, "tie_word_embeddings": False}
 
 
+def _layout_notes(cfg: dict) -> list[str]:
+    """The layout warning: about the head's layout, so printed whether or not the target's embedding was found."""
+    flags = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(k)]
+    return [f"layout {flags}: the vLLM EAGLE-3 code read for this project implements norm_before_residual (and, "
+            "in some versions, norm_before_fc) only; check that your vLLM computes this layout"] if flags else []
+
+
 def _with_embedding(state: dict, cfg: dict, target: str, dtype: str) -> tuple[dict, list[str]]:
     emb = target_embedding(target, cfg["target_vocab_size"], cfg["hidden_size"])
+    notes = _layout_notes(cfg)
     if emb is None:
         return state, [f"embed_tokens.weight not written (target {target!r} has no local safetensors): vLLM and "
                        "SGLang share the target's embedding, but the speculators package (evaluation, fine-tuning) "
-                       "would compute wrong logits; re-export with --target pointing at the target's directory"]
-    flags = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(k)]
-    notes = [f"layout {flags}: the vLLM EAGLE-3 code read for this project implements norm_before_residual (and, "
-             "in some versions, norm_before_fc) only; check that your vLLM computes this layout"] if flags else []
+                       "would compute wrong logits; re-export with --target pointing at the target's directory",
+                       *notes]
     if cfg.get("embed_dtype"):  # an imported head that computed with rounded rows: store exactly those
         emb = emb.to(getattr(torch, cfg["embed_dtype"]))
     return {**state, "embed_tokens.weight": emb.to(getattr(torch, dtype))}, notes

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,8 +31,13 @@ class IntegrityError(ValueError):
 
 
 def sha256(path: Path) -> str:
+    # O_NONBLOCK: opening a FIFO for reading would otherwise wait forever for a writer; fstat then refuses it
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IntegrityError(_not_regular(Path(path), os.stat(path).st_mode))
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(fd, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
             h.update(block)
     return h.hexdigest()
@@ -68,6 +74,31 @@ def outside_links(root: Path) -> list[str]:
     return out
 
 
+_KINDS = ((stat.S_ISFIFO, "named pipe (FIFO)"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+          (stat.S_ISBLK, "block device"))
+
+
+def _not_regular(p: Path, mode: int) -> str:
+    kind = next((name for test, name in _KINDS if test(mode)), "special file")
+    return (f"{p} is a {kind}, not a regular file: spectrain reads only regular files (reading it could wait "
+            "forever); remove it from the directory")
+
+
+def special_files(root: Path) -> list[str]:
+    """Entries under ``root`` (links followed) that are neither regular files nor directories: FIFOs, sockets,
+    devices. Hashing or loading one could block forever, so they are refused before anything is read."""
+    out = []
+    for dirpath, _dirs, names in os.walk(root):
+        for n in names:
+            try:
+                mode = os.stat(Path(dirpath) / n).st_mode  # follows a link: a link to a FIFO is one too
+            except OSError:  # a dangling link: outside_links names it
+                continue
+            if not stat.S_ISREG(mode):
+                out.append(_not_regular(Path(dirpath) / n, mode))
+    return out
+
+
 def _inside(rel: str) -> bool:
     """A manifest entry names a file inside its directory: relative, no '..', no empty or '.' parts."""
     parts = rel.split("/")
@@ -90,7 +121,7 @@ def make_readable(root: Path) -> None:
 def seal(root, readable: bool = True) -> Path:
     """Write ``root/SHA256SUMS`` over every file under ``root`` and (``readable``) make the tree readable."""
     root = Path(root)
-    links = outside_links(root)
+    links = outside_links(root) + special_files(root)
     if links:
         raise IntegrityError(f"cannot seal {root}: {links[0]}")
     lines = [f"{sha256(root / rel)}  {rel}\n" for rel in _files(root)]
@@ -124,9 +155,9 @@ def read_manifest(root: Path) -> dict[str, str] | None:
 def problems(root) -> list[str]:
     """What is wrong with ``root`` against its manifest ([] = verified, or no manifest to verify)."""
     root = Path(root)
-    listed, out = read_manifest(root), outside_links(root)
-    if listed is None:
-        return out
+    listed, out, odd = read_manifest(root), outside_links(root), special_files(root)
+    if listed is None or odd:  # a FIFO is never hashed (it would block): nothing more is read
+        return out + odd
     for rel, digest in listed.items():
         p = root / rel
         if not p.is_file():
@@ -222,7 +253,7 @@ def seal_command(dirs: list[str]) -> int:
     for d in map(Path, dirs):
         if not d.is_dir():
             raise FileNotFoundError(f"{d} is not a directory: give a checkpoint or head directory to seal")
-        bad = problems(d) if read_manifest(d) is not None else outside_links(d)
+        bad = problems(d) if read_manifest(d) is not None else outside_links(d) + special_files(d)
         bad = bad or unreadable(d)
         if bad:
             raise IntegrityError(f"cannot seal {d}: {bad[0]}; restore the file from a good copy (or, for a "

@@ -30,6 +30,7 @@ from spectrain.data.features import bytes_per_token
 from spectrain.io.disk import free_bytes, gib, require_disk
 
 DEFAULT_MFU = 0.17  # measured once: see the module doc
+MIN_MFU = 1e-3  # below 0.1 % of peak no GPU run is meant: a typo (1e-300) would print a 300-digit wall time
 # name: (dense bf16 TFLOP/s, memory GiB, source)
 GPUS: dict[str, tuple[float, float, str]] = {
     "H100": (989.0, 80, "NVIDIA H100 SXM5 datasheet: 989 TFLOPS bf16 dense, 80 GB HBM3"),
@@ -56,6 +57,24 @@ def parse_hardware(text: str) -> Hardware:
         raise ValueError(f"--plan {text!r}: give GPUsxNAME, e.g. 8xH100; known GPUs: {', '.join(GPUS)}")
     tflops, mem, _ = GPUS[name]
     return Hardware(int(m.group(1) or 1), name, tflops * 1e12, mem * GiB)
+
+
+def check_mfu(mfu: float) -> float:
+    """--mfu as a fraction of peak in [MIN_MFU, 1] (nan, <= 0, > 1 and absurdly small values refused)."""
+    if not MIN_MFU <= mfu <= 1:  # also false for nan
+        raise ValueError(f"--mfu {mfu}: give the model FLOPs utilisation as a fraction in [{MIN_MFU:g}, 1], e.g. "
+                         f"0.3 (default {DEFAULT_MFU})")
+    return mfu
+
+
+def batch_split_problem(global_batch: int, micro: int, gpus: int) -> str:
+    """Why `global_batch` rows per step cannot be split over `gpus` GPUs of `micro` rows, and the fix."""
+    per = micro * gpus
+    up = -(-global_batch // per) * per
+    micros = [m for m in range(micro - 1, 0, -1) if global_batch % (m * gpus) == 0]
+    alt = f", or training.micro_batch_size={micros[0]}" if micros else ""
+    return (f"global batch {global_batch} cannot be split over {gpus} GPUs x micro {micro} = {per} rows per "
+            f"micro-step: set training.global_batch_size={up} (a multiple of {per}){alt}")
 
 
 def gpu_from_device_name(device_name: str) -> str | None:
@@ -245,7 +264,8 @@ def plan_lines(recipe, cfg, data: DataSize, hw: Hardware, mfu: float = DEFAULT_M
         "  memory per GPU: " + ", ".join(f"{k} ~{gib(v)}" for k, v in mem.items())
         + f" of {hw.memory / GiB:.0f} (micro {tr.micro_batch_size} x {recipe.data.max_length} tokens)",
     ]
-    problems = []
+    problems = [] if accum == int(accum) else [batch_split_problem(tr.global_batch_size, tr.micro_batch_size,
+                                                                     hw.gpus)]  # train would refuse it
     if offline and cache > free_cache and not (Path(where) / "manifest.json").is_file():
         problems.append(f"the feature cache needs ~{cache / GiB:.1f} GiB but {where} has {free_cache / GiB:.1f} GiB "
                         "free: point training.feature_cache at a larger disk, lower data.max_rows or use "

@@ -22,7 +22,7 @@ from spectrain.recipe.schema import Recipe
 from spectrain.target.gguf import resolve_target_path, split_gguf
 from spectrain.target.model import looks_local
 from spectrain.train.engine import check_trackers, resolve_precision
-from spectrain.train.plan import DEFAULT_MFU, GPUS, data_size, parse_hardware, plan_lines
+from spectrain.train.plan import DEFAULT_MFU, GPUS, check_mfu, data_size, parse_hardware, plan_lines
 from spectrain.train.run_dir import check_run_dir
 
 
@@ -99,7 +99,7 @@ def _check_data(r: Recipe, tok) -> list[str]:
 
 
 def add_check_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--plan", default="", metavar="NxGPU",
+    p.add_argument("--plan", default=None, metavar="NxGPU",  # None: not asked; '' is a bad value, refused
                    help=f"also print a cost plan for N GPUs of a kind ({', '.join(GPUS)}), e.g. 8xH100")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
                    help=f"model FLOPs utilisation the plan assumes (default {DEFAULT_MFU}: measured once, one H200 "
@@ -118,8 +118,6 @@ def _student_config(r: Recipe):
 def _plan(r: Recipe, cfg, tok, hardware: str, mfu: float | None) -> list[str]:
     """The plan's lines; raises ValueError with its problems (a cache or checkpoints that cannot fit)."""
     mfu = DEFAULT_MFU if mfu is None else mfu
-    if not 0 < mfu <= 1:
-        raise ValueError(f"--mfu {mfu}: give a fraction in (0, 1], e.g. 0.3")
     lines, problems = plan_lines(r, cfg, data_size(r, tok), parse_hardware(hardware), mfu, _student_config(r))
     if problems:
         print("\n".join(lines))
@@ -127,12 +125,14 @@ def _plan(r: Recipe, cfg, tok, hardware: str, mfu: float | None) -> list[str]:
     return lines
 
 
-def main(recipe_path: str, overrides: list[str], plan: str = "", mfu: float | None = None) -> int:
+def main(recipe_path: str, overrides: list[str], plan: str | None = None, mfu: float | None = None) -> int:
     """`spectrain check`: print the resolved recipe, then verify target, tokenizer and a data sample."""
     try:
         r = load_recipe(recipe_path, overrides)
-        if plan:
-            parse_hardware(plan)  # a bad --plan fails before anything loads
+        if plan is not None:
+            parse_hardware(plan)  # a bad --plan (also '') fails before anything loads
+        if mfu is not None:
+            check_mfu(mfu)
     except (ValueError, OSError) as e:
         return _fail(str(e))
     print(r.to_yaml().rstrip())
@@ -153,7 +153,7 @@ def main(recipe_path: str, overrides: list[str], plan: str = "", mfu: float | No
         if family is not None and family.preflight:  # the family's own checks (spectrain/registry.py)
             registry.resolve(family.preflight)(r, cfg)
         data_lines = _check_data(r, tok)
-        plan_lines = _plan(r, cfg, tok, plan, mfu) if plan else []
+        plan_lines = _plan(r, cfg, tok, plan, mfu) if plan is not None else []
     except (ValueError, OSError) as e:
         return _fail(str(e))
     print(f"OK target {r.target.name_or_path}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
