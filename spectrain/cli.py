@@ -128,6 +128,10 @@ def _run(args: argparse.Namespace) -> int:
         from spectrain.data.features import main as features_main
 
         return features_main(args.recipe, args.overrides)
+    if cmd == "eval" and args.engine:  # the same grid served by a real engine
+        from spectrain.eval.engine import main as engine_main
+
+        return engine_main(args)
     module = {"target": "spectrain.target.gguf", "regenerate": "spectrain.data.regenerate", "eval": "spectrain.eval.harness",
               "export": "spectrain.export", "compare": "spectrain.eval.compare", "seal": "spectrain.io.integrity",
               "engine": "spectrain.engines.llama_cpp"}[cmd]

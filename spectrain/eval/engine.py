@@ -1,0 +1,221 @@
+"""`spectrain eval --engine llama.cpp --target T.gguf --drafter D ...`: the eval grid, served by llama.cpp.
+
+The same prompt sets, chat template and report format as `spectrain eval`, but every token comes from the
+engine: a plain `llama-server` and one speculative server per (drafter, k), all on 127.0.0.1 with one slot
+and the threads stated, take turns prompt by prompt (plain, spec k=1, spec k=2, ..., plain, ...), so load
+drift hits both sides of each speedup alike. D is a run or checkpoint dir (exported to GGUF first, through
+spectrain/export/llama_cpp.py), an exported GGUF (or its export directory), ``ngram`` (the engine's own
+``ngram-simple`` mode; ``ngram-map-k`` etc. by name) or ``none``.
+
+Per record, from the engine's own counters (spectrain/engines/server.py): alpha_i, tau, acceptance rate,
+tok/s of the generation phase (the engine's ``predicted_ms``) against the plain server in the same run, and
+at T = 0 the greedy check against the plain engine per prompt (spectrain/eval/divergence.py). The scale a
+divergence is judged against is the engine's own arithmetic noise, measured at that very position: the plain
+engine's top-2 margin computed token by token during generation and again in one batched pass over the prefix
+(as verification computes it). The engine's cost curve (one pass over t = 1..16 tokens at the prompts' depth,
+llama-bench) and the draft's measured cost give the predicted speedup beside the measured one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from spectrain import registry
+from spectrain.decoding.loop import DecodeStats
+from spectrain.engines import llama_cpp
+from spectrain.engines.server import Completion, LlamaServer
+from spectrain.eval import divergence, report
+from spectrain.eval.harness import DecodeConfig, _encode_all, prompt_id, validate_args
+from spectrain.eval.prompts import DEFAULT_OOD_SETS, load_prompt_set
+from spectrain.export.common import resolve_source
+from spectrain.export.llama_cpp import GGUF_NAME, read_gguf_meta
+from spectrain.io.outputs import staged_dir
+from spectrain.recipe.load import load_recipe
+from spectrain.target.gguf import resolve_target_path
+
+NGRAM_MODES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+SCALE_FLOOR = 1e-3  # nats: below this the two paths' margins agree to print precision
+
+
+@dataclass
+class EngineDrafter:
+    name: str
+    model: Path | None  # the draft GGUF; None for the engine's n-gram modes
+    spec_type: str
+
+
+def resolve_drafter(spec: str, target: str, work: Path) -> EngineDrafter:
+    """A --drafter value -> what llama-server is started with (a run dir is exported to GGUF under work/)."""
+    if spec == "ngram" or spec in NGRAM_MODES:
+        return EngineDrafter(spec, None, "ngram-simple" if spec == "ngram" else spec)
+    p = Path(spec)
+    gguf = p if p.suffix == ".gguf" else p / GGUF_NAME
+    if gguf.is_file():
+        arch = read_gguf_meta(gguf)[0].get("general.architecture")
+        return EngineDrafter(spec, gguf, "draft-eagle3" if arch == "eagle3" else "draft-simple")
+    src = resolve_source(p)
+    kind = json.loads((src / "drafter_config.json").read_text()).get("kind")
+    fmt = next((f for f in registry.family(kind).exports if f.startswith("llama.cpp-")), None)
+    if fmt is None:
+        raise ValueError(f"{spec}: llama.cpp serves no {registry.family(kind).title} (it has EAGLE-3 heads, draft "
+                         "models and n-gram modes only): evaluate it with `spectrain eval` instead")
+    out = work / f"export-{len(list(work.glob('export-*')))}"
+    registry.resolve(registry.family(kind).exports[fmt][0])(src, out, target)
+    return resolve_drafter(str(out / GGUF_NAME), target, work)
+
+
+def cost_curve(engine, target: Path, depth: int, threads: int, ts=(1, 2, 3, 4, 5, 6, 8, 12, 16)) -> dict[int, float]:
+    """Seconds of one target pass over t new tokens with `depth` tokens in the cache (llama-bench, median of 5)."""
+    cmd = [str(engine.binary("llama-bench")), "-m", str(target), "-p", ",".join(map(str, ts)), "-n", "0",
+           "-d", str(depth), "-t", str(threads), "-r", "5", "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise RuntimeError(f"llama-bench failed: {done.stderr.strip()[-300:]}")
+    return {int(r["n_prompt"]): float(r["avg_ns"]) / 1e9 for r in json.loads(done.stdout)}
+
+
+def _stats(c: Completion, k: int) -> DecodeStats:
+    """The engine's counters in spectrain's terms. Every step drafts k tokens (p_min 0), so position i is
+    verified on the steps that accepted position i-1: attempts_1 = drafts, attempts_i = accepts_(i-1)."""
+    acc = (c.accepted_per_pos + [0] * k)[:k]
+    att = [c.drafts] + acc[:-1]
+    passes = c.drafts + max(0, c.predicted_n - 1 - c.drafts - c.draft_n_accepted)  # steps without a draft
+    return DecodeStats(k=k, attempts=att, accepts=acc, drafted=c.draft_n, target_passes=passes,
+                       emitted=c.predicted_n, sequences=1, wall_time_s=c.predicted_ms / 1e3)
+
+
+def _cell() -> dict:
+    return {"tokens": 0, "seconds": 0.0, "outputs": [], "stats": [], "top2": []}
+
+
+def _add(cell: dict, c: Completion, k: int) -> None:
+    cell["tokens"] += len(c.tokens)
+    cell["seconds"] += c.predicted_ms / 1e3
+    cell["outputs"].append(c.tokens)
+    cell["stats"].append(_stats(c, k))
+    cell["top2"].append(c.top2_logprobs)
+
+
+def _margin(lps: list[tuple[int, float]]) -> float | None:
+    return lps[0][1] - lps[1][1] if len(lps) >= 2 else None
+
+
+def judge(plain: LlamaServer, prompt: list[int], base: list[int], base_top2: list, spec: list[int]) -> dict:
+    """The greedy check of one prompt against the plain engine (module docstring: the scale)."""
+    pos = divergence.first_divergence(base, spec)
+    if pos is None or pos >= len(base_top2):
+        return divergence.judge_divergence(base, spec, None if pos is not None else 0.0, 0.0 if pos is None else None)
+    single = _margin(base_top2[pos])
+    batched = _margin(plain.complete(prompt + base[:pos], 1, 0.0, 0, top2=True).top2_logprobs[0])
+    scale = max(abs(single - batched), SCALE_FLOOR) if single is not None and batched is not None else None
+    return {**divergence.judge_divergence(base, spec, single, scale), "batched_margin": batched}
+
+
+def run(args, target: Path, encoded: dict, sets, drafters: list[EngineDrafter], engine, log_dir: Path) -> dict:
+    cells: dict = {}
+    servers = {("plain", 0): LlamaServer(engine, target, threads=args.threads, log=log_dir / "plain.log")}
+    for d in drafters:
+        for k in args.k:
+            servers[(d.name, k)] = LlamaServer(engine, target, draft=d.model, spec_type=d.spec_type, k=k,
+                                               threads=args.threads, log=log_dir / f"spec-{len(servers)}.log")
+    started = []
+    try:
+        for s in servers.values():
+            started.append(s.__enter__())
+        for ps in sets:
+            for temp in args.temperature:
+                base = cells.setdefault(("plain", f"T={temp:g}", ps.name), _cell())
+                for i, ids in enumerate(encoded[ps.name]):
+                    seed = args.seed + i
+                    _add(base, servers[("plain", 0)].complete(ids, args.max_new_tokens, temp, seed, top2=temp == 0), 1)
+                    for (name, k), s in servers.items():
+                        if name == "plain":
+                            continue
+                        cell = cells.setdefault((name, f"k={k} T={temp:g}", ps.name), _cell())
+                        _add(cell, s.complete(ids, args.max_new_tokens, temp, seed), k)
+                        if temp == 0:
+                            cell.setdefault("greedy_check", []).append(
+                                judge(servers[("plain", 0)], ids, base["outputs"][-1], base["top2"][-1],
+                                      cell["outputs"][-1]))
+                print(f"  {ps.name} T={temp:g}: {len(encoded[ps.name])} prompts", file=sys.stderr)
+    finally:
+        for s in started:
+            s.stop()
+    return cells
+
+
+def main(args) -> int:
+    validate_args(args)
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if not args.target or not str(args.target).endswith(".gguf") or not Path(args.target).is_file():
+        raise ValueError(f"--engine llama.cpp needs --target T.gguf (a local GGUF file), got {args.target!r}")
+    engine = llama_cpp.require()
+    recipe = load_recipe(args.recipe) if args.recipe else None
+    target = Path(args.target)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(str(target)))
+    names = list(dict.fromkeys(args.prompts or ((["heldout"] if recipe else []) + DEFAULT_OOD_SETS)))
+    sets = [load_prompt_set(n, Path(args.prompts_dir), recipe, tuple(args.in_domain)) for n in names]
+    encoded = _encode_all(sets, tokenizer, None, args)
+    with staged_dir(args.out, "eval") as tmp:
+        specs = [d for d in args.drafter if d.lower() != "none"]
+        drafters = [resolve_drafter(d, str(target), tmp) for d in specs]
+        depth = int(sum(len(v[0]) for v in encoded.values()) / len(encoded)) + args.max_new_tokens // 2
+        curve = cost_curve(engine, target, depth, args.threads)
+        t0 = time.monotonic()
+        cells = run(args, target, encoded, sets, drafters, engine, tmp / "logs")
+        records = _records(args, cells, sets, encoded, drafters, curve)
+        meta = _meta(args, engine, target, sets, cells, curve, depth, time.monotonic() - t0)
+        paths = report.write_all(tmp, meta, records)
+    print(report.summary_table(records, meta))
+    print(f"wrote {', '.join(str(args.out / p.relative_to(tmp)) for p in paths)}")
+    failed = report.greedy_failures(records)
+    for line in failed:
+        print(f"FAILURE: {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _records(args, cells, sets, encoded, drafters, curve) -> list[dict]:
+    records = []
+    for d in drafters:
+        for temp in args.temperature:
+            for k in args.k:
+                cfg = DecodeConfig(k, None, temp)
+                for ps in sets:
+                    cell, base = cells[(d.name, cfg.label, ps.name)], cells[("plain", f"T={temp:g}", ps.name)]
+                    cell["prompt_stats"], cell["stats"] = cell["stats"], DecodeStats.merge(cell["stats"])
+                    cell["prompt_ids"] = [prompt_id(ids) for ids in encoded[ps.name]]
+                    rec = report.make_record(d.name, cfg, ps, cell, base, None)
+                    rec["engine_spec_type"] = d.spec_type
+                    rec["predicted_speedup_cost_curve"] = _predict(rec, curve, k)
+                    records.append(rec)
+    return records
+
+
+def _predict(rec: dict, curve: dict[int, float], k: int) -> float | None:
+    """tau / (cost(k+1) / cost(1)): the speedup if drafting were free (the draft's cost is in meta)."""
+    if rec["tau"] is None or (k + 1) not in curve:
+        return None
+    return rec["tau"] / (curve[k + 1] / curve[1])
+
+
+def _meta(args, engine, target: Path, sets, cells, curve, depth: int, seconds: float) -> dict:
+    return {
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "engine": engine.version,
+        "engine_build": engine.info, "target": str(target), "drafters": args.drafter, "k": args.k, "trees": [],
+        "temperatures": args.temperature, "top_p": 1.0, "top_k": 0, "seed": args.seed,
+        "max_new_tokens": args.max_new_tokens, "n_per_set": args.n, "threads": args.threads, "dtype": "gguf",
+        "prompt_sets": [{"name": ps.name, "split": ps.split, "source": ps.source, "n_prompts": ps.n_used}
+                        for ps in sets],
+        "cost_curve": {"depth": depth, "seconds": {str(t): v for t, v in curve.items()}},
+        "grid_seconds": round(seconds, 1), "conventions": report.CONVENTIONS,
+        "timing": "generation phase only (the engine's predicted_ms); one slot; servers take turns per prompt",
+    }
