@@ -128,7 +128,7 @@ def _run(args: argparse.Namespace) -> int:
         from spectrain.data.features import main as features_main
 
         return features_main(args.recipe, args.overrides)
-    if cmd == "eval" and args.engine:  # the same grid served by a real engine
+    if cmd == "eval" and getattr(args, "engine", None):  # the same grid served by a real engine
         from spectrain.eval.engine import main as engine_main
 
         return engine_main(args)
