@@ -132,6 +132,12 @@ def test_a_trickling_server_meets_one_whole_request_deadline():
         assert time.monotonic() - t0 < 3.0
 
 
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf"])
+def test_a_timeout_that_is_no_deadline_is_refused(recipe, tmp_path, capsys, timeout):
+    assert _run(recipe, tmp_path / "o.jsonl", "http://127.0.0.1:1", "--timeout", timeout) == 2
+    _one_line_error(capsys.readouterr().err, f"--timeout {float(timeout)}: give seconds > 0")
+
+
 def test_retry_after_is_honoured_and_bounded(monkeypatch):
     waits: list[float] = []
     monkeypatch.setattr(rs, "_sleep", waits.append)

@@ -93,7 +93,8 @@ class ServerConfig:
         self.urls = [endpoint(u) for u in self.urls]
         for bad, msg in ((self.concurrency < 1, f"--concurrency {self.concurrency}: must be >= 1"),
                          (self.retries < 0, f"--retries {self.retries}: must be >= 0"),
-                         (self.timeout_s <= 0, f"--timeout {self.timeout_s}: must be > 0")):
+                         (not 0 < self.timeout_s < math.inf, f"--timeout {self.timeout_s}: give seconds > 0, "
+                          "e.g. 600 (one deadline for a whole request)")):
             if bad:
                 raise ValueError(msg)
         return self
