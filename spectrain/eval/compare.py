@@ -8,12 +8,23 @@ For each cell it prints tau of A and of B and the paired difference B - A with i
 (prompts resampled jointly: ``spectrain.eval.stats.paired_diff_ci``), which is much tighter than comparing the
 two marginal intervals; then a one-line verdict. When a report holds several drafters, ``--drafter-a`` /
 ``--drafter-b`` pick one (a spec as evaluated, or its last path parts).
+
+Only comparable reports are compared. A difference in what tau depends on is refused in one line listing
+each one (REFUSED: the target (fingerprint, or architecture, parameter count and model name where no
+fingerprint is recorded), max_new_tokens, dtype, the chat template (recorded, or whether
+``--no-chat-template`` was given), top_p, top_k). A difference that leaves tau's meaning alone is printed
+above the table (SHOWN: the target's path when only its directory differs, seed, device, prompts per set,
+a prompt set's source or size: prompts are paired by id, so only prompts both evals decoded count; a report
+without ids is paired by position and such a set difference is refused). A fact only one report records is
+shown as unchecked. Counts are checked on load: a NaN, infinite, negative or fractional count, a record
+whose per-prompt lists differ in length, or a missing field is refused naming the file and the field.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from spectrain.eval import stats
@@ -27,6 +38,10 @@ def add_compare_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+class ReportError(ValueError):
+    """A report that cannot be compared: damaged, hand-edited, or made under other settings."""
+
+
 def load_report(path) -> dict:
     p = Path(path)
     file = p / "report.json" if p.is_dir() else p
@@ -38,7 +53,126 @@ def load_report(path) -> dict:
         raise ValueError(f"{file} is not valid JSON ({e}); rerun the eval") from None
     if not isinstance(report, dict) or not isinstance(report.get("records"), list):
         raise ValueError(f"{file} is not a spectrain eval report (no 'records' list)")
+    if not isinstance(report.get("meta", {}), dict):
+        _bad(file, "meta", "is not an object")
+    for i, rec in enumerate(report["records"]):
+        _check_record(file, f"records[{i}]", rec)
     return report
+
+
+def _bad(file, field: str, problem: str):
+    raise ReportError(f"{file}: {field} {problem}: the report was edited or damaged; rerun the eval that wrote it")
+
+
+def _check_record(file, where: str, rec) -> None:
+    """The fields compare reads, and counts that can be real: whole numbers >= 0, lists of one length."""
+    if not isinstance(rec, dict):
+        _bad(file, where, "is not an object")
+    for key in ("drafter", "config", "prompt_set", "split"):
+        if not isinstance(rec.get(key), str):
+            _bad(file, f"{where}.{key}", "is missing or not a string")
+    pp = rec.get("per_prompt")
+    if pp is None or pp == {}:
+        return  # a record without per-prompt data is not paired (older reports)
+    if not isinstance(pp, dict):
+        _bad(file, f"{where}.per_prompt", "is not an object")
+    lists = {k: pp.get(k) for k in ("tokens", "passes", "ids") if k in pp and (k != "ids" or pp[k] is not None)}
+    for k in ("tokens", "passes"):
+        if not isinstance(lists.get(k), list):
+            _bad(file, f"{where}.per_prompt.{k}", "is missing or not a list")
+    if "ids" in lists and (not isinstance(lists["ids"], list) or not all(isinstance(x, str) for x in lists["ids"])):
+        _bad(file, f"{where}.per_prompt.ids", "is not a list of prompt ids (strings)")
+    if len({len(v) for v in lists.values()}) > 1:
+        sizes = ", ".join(f"{k} has {len(v)}" for k, v in lists.items())
+        _bad(file, f"{where}.per_prompt", f"lists disagree in length ({sizes}; one entry per prompt each)")
+    for k in ("tokens", "passes"):
+        for j, x in enumerate(lists[k]):
+            _check_count(file, f"{where}.per_prompt.{k}[{j}]", x)
+    for j, (t, n) in enumerate(zip(lists["tokens"], lists["passes"])):
+        if t > 0 and n == 0:
+            _bad(file, f"{where}.per_prompt.passes[{j}]", f"is 0 while tokens[{j}] is {t} (every token takes a "
+                 "target pass)")
+
+
+def _check_count(file, field: str, x) -> None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        _bad(file, field, f"is {x!r}, not a number")
+    if not math.isfinite(x):
+        _bad(file, field, f"is {x} (a count is finite)")
+    if x < 0 or x != int(x):
+        _bad(file, field, f"is {x} (a count is a whole number >= 0)")
+
+
+def _template_use(meta: dict) -> str | None:
+    """Whether the eval rendered prompts with the target's chat template (its command line says)."""
+    if not meta.get("command"):
+        return None
+    return "none (--no-chat-template)" if "--no-chat-template" in str(meta["command"]).split() else "the target's"
+
+
+# What tau depends on: a difference is refused. Each is a meta key or a function of meta.
+MUST_MATCH = {"target fingerprint": "target_fingerprint", "target architecture": "target_architecture",
+              "target parameters": "target_parameters", "max_new_tokens": "max_new_tokens", "dtype": "dtype",
+              "chat template": "chat_template", "chat template use": _template_use, "top_p": "top_p", "top_k": "top_k"}
+# What leaves tau's meaning alone (another path to the same model, random draws, placement): shown.
+SHOWN = {"target": "target", "seed": "seed", "device": "device", "prompts per set": "n_per_set"}
+
+
+def _fact(meta: dict, how):
+    return how(meta) if callable(how) else meta.get(how)
+
+
+def _target_name_refused(ma: dict, mb: dict) -> bool:
+    """Without fingerprints, another model name is another target; the same name under another directory
+    (a relative and an absolute path, a copy) is only shown."""
+    if ma.get("target_fingerprint") and mb.get("target_fingerprint"):
+        return False
+    na, nb = (Path(str(m.get("target") or "")).name for m in (ma, mb))
+    return bool(na and nb and na != nb)
+
+
+def meta_differences(ma: dict, mb: dict) -> tuple[list[str], list[str]]:
+    """(refused, shown) differences between the metas of A and B, each as 'what A vs B'."""
+    refused, shown = [], []
+    for what, how in {**MUST_MATCH, **SHOWN}.items():
+        va, vb = _fact(ma, how), _fact(mb, how)
+        if va is None and vb is None or va == vb:
+            continue
+        if va is None or vb is None:
+            shown.append(f"{what} recorded only by {'B' if va is None else 'A'} ({va if vb is None else vb}): "
+                         "not checked")
+            continue
+        line = f"{what} {va} vs {vb} (A vs B{'' if what in MUST_MATCH else '; tau means the same'})"
+        (refused if what in MUST_MATCH or (what == "target" and _target_name_refused(ma, mb)) else shown).append(line)
+    return refused, shown
+
+
+def set_differences(ma: dict, mb: dict, rows: list[dict]) -> tuple[list[str], list[str]]:
+    """A compared prompt set with another source or size: shown when prompts were paired by id (only the ones
+    both decoded count), refused when paired by position (the prompts may not be the same)."""
+    sets = [{ps.get("name"): ps for ps in m.get("prompt_sets") or [] if isinstance(ps, dict)} for m in (ma, mb)]
+    refused, shown = [], []
+    for row in rows:
+        a, b = (s.get(row["prompt_set"]) for s in sets)
+        if not a or not b:
+            continue
+        diff = [f"{k} {a.get(k)} vs {b.get(k)}" for k in ("source", "n_prompts") if a.get(k) != b.get(k)]
+        if diff:
+            line = f"prompt set {row['prompt_set']}: {', '.join(diff)} (A vs B; prompts paired by {row['matched_by']})"
+            (refused if row["matched_by"] == "position" else shown).append(line)
+    return list(dict.fromkeys(refused)), list(dict.fromkeys(shown))
+
+
+def comparable(a: dict, b: dict, rows: list[dict], names: tuple[str, str] = ("A", "B")) -> list[str]:
+    """Refuse reports made under settings tau depends on (one line listing each difference); return the
+    harmless differences to show above the table."""
+    ma, mb = a.get("meta") or {}, b.get("meta") or {}
+    refused, shown = meta_differences(ma, mb)
+    set_refused, set_shown = set_differences(ma, mb, rows)
+    if refused or set_refused:
+        raise ReportError(f"{names[0]} and {names[1]} are not comparable: {'; '.join(refused + set_refused)}; tau "
+                          "depends on each: evaluate both with the same target and settings")
+    return shown + set_shown
 
 
 def _matches(spec: str, want: str) -> bool:
@@ -70,6 +204,8 @@ def paired(ra: dict, rb: dict) -> dict | None:
         how = "position"
     if not pairs:
         return None
+    if not sum(pa["passes"][i] for i, _ in pairs) or not sum(pb["passes"][j] for _, j in pairs):
+        return None  # nothing decoded in one of them: no tau to compare
     ta, na = [pa["tokens"][i] for i, _ in pairs], [pa["passes"][i] for i, _ in pairs]
     tb, nb = [pb["tokens"][j] for _, j in pairs], [pb["passes"][j] for _, j in pairs]
     diff, ci = stats.paired_diff_ci(tb, nb, ta, na)
@@ -116,8 +252,13 @@ def table(rows: list[dict]) -> str:
 def main(args: argparse.Namespace) -> int:
     a, b = load_report(args.a), load_report(args.b)
     rows = compare(a, b, args.drafter_a, args.drafter_b)
+    shown = comparable(a, b, rows, (args.a, args.b))
     da, db = pick(a["records"], args.drafter_a, "a")[0]["drafter"], pick(b["records"], args.drafter_b, "b")[0]["drafter"]
     print(f"A: {args.a} (drafter {da})\nB: {args.b} (drafter {db})\n")
+    for line in shown:
+        print(f"note: {line}")
+    if shown:
+        print()
     print(table(rows))
     print("\n* = the paired interval excludes 0 (prompts matched by id, resampled jointly; "
           f"{stats.N_BOOT} bootstrap replicates)")
