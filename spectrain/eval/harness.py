@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from spectrain.decoding.loop import DecodeStats, plain_generate, speculative_generate
 from spectrain.drafters import load_drafter
 from spectrain.eval import cost_curve as cc
-from spectrain.eval import report
+from spectrain.eval import greedy_check, report
 from spectrain.eval.hf_baselines import HFBaseline, is_hf_spec, load_hf_baseline, parse_hf_spec
 from spectrain.eval.prompts import (
     DEFAULT_OOD_SETS,
@@ -45,7 +45,7 @@ from spectrain.eval.sweep import add_sweep_args, batch_sweep, timed, validate_sw
 from spectrain.eval.tracking import log_trackers
 from spectrain.io.outputs import resolve_out, staged_dir
 from spectrain.recipe.load import load_recipe
-from spectrain.target.model import load_target
+from spectrain.target.model import load_target, resolve_dtype
 
 # ---- prompt sets --------------------------------------------------------------------------------------------
 
@@ -102,7 +102,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--device-map", default=None, choices=["auto", "balanced", "balanced_low_0", "sequential"],
                    help="spread a target too large for one GPU over all visible GPUs (HF device_map)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA; on a CPU bf16 only where it is native and a "
+                   "measured verify pass is faster, else fp32: docs/decoding.md), float32, bfloat16, float16")
 
     add_sweep_args(p)  # --batch-size (repeatable), --gpu, --gpu-bandwidth, --gpu-flops
     p.add_argument("--cost-curve", action="store_true",
@@ -145,6 +146,10 @@ def validate_args(args) -> None:
         (args.cost_ratio is None or args.cost_ratio >= 0, f"--cost-ratio must be >= 0, got {args.cost_ratio}"),
         (args.target or args.recipe, "give --target (a model dir or hub id) or --recipe"),
     ]
+    try:
+        resolve_dtype(args.dtype)
+    except ValueError as e:
+        checks.append((False, f"--dtype: {e}"))
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
@@ -287,7 +292,8 @@ def main(args) -> int:
     sets = [load_prompt_set(n, Path(args.prompts_dir), recipe, tuple(args.in_domain)) for n in names]
     device_map = args.device_map or (recipe.target.device_map if recipe and not args.target else "") or None
     gguf_file = args.gguf_file or (recipe.target.gguf_file if recipe and not args.target else "")
-    target = load_target(target_name, dtype=args.dtype, device=args.device, device_map=device_map, gguf_file=gguf_file)
+    target = load_target(target_name, dtype=args.dtype, device=args.device, device_map=device_map, gguf_file=gguf_file,
+                         verify_tokens=max(args.k) + 1)  # `auto` on a CPU times the widest chain's verify pass
     if not args.no_chat_template and not getattr(target.tokenizer, "chat_template", None):
         raise ValueError(f"target {target_name!r} has no chat template in its tokenizer config; "
                          "pass --no-chat-template to feed the raw prompt text")
@@ -303,6 +309,7 @@ def main(args) -> int:
     with tqdm(total=progress_total(encoded, plan, args), desc="decoding (prompt + new tokens)", unit="tok",
               unit_scale=True) as bar:
         cells = run_cells(target, drafters, plan, sets, encoded, args, bar)
+    greedy_check.judge_cells(target, plan, sets, cells, encoded)  # T = 0: identical, near-tie or FAIL per prompt
 
     baselines = {(t, ps.name): cells[("plain", f"T={t:g}", ps.name)] for t in args.temperature for ps in sets}
     records = []
@@ -343,7 +350,10 @@ def main(args) -> int:
     if costs:
         print(costs)
     print(f"wrote {', '.join(str(p) for p in paths)}")
-    return 0
+    failed = report.greedy_failures(records)
+    for line in failed:
+        print(f"FAILURE: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def prompt_id(ids: list[int]) -> str:
