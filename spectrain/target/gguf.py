@@ -40,7 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from spectrain.io.integrity import MANIFEST, problems, read_manifest, seal, sha256
 
@@ -209,11 +212,6 @@ def _stale(out: Path, why: str) -> bool:
 def _refuse_if_not_causal(folder: Path, name: str, reader) -> None:
     """An architecture transformers reads from GGUF, of a causal LM. The common architectures are causal LM
     model types by name; only the others (aliases, seq2seq, unknown) cost a second parse of the metadata."""
-    import transformers
-    from transformers import AutoConfig
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     field = reader.fields.get("general.architecture")
     arch = str(field.contents()) if field is not None else "unknown"
     if arch in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
