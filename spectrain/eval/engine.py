@@ -25,13 +25,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from spectrain import registry
-from spectrain.decoding.loop import DecodeStats
+from spectrain.decoding.loop import DecodeStats, plain_generate
 from spectrain.engines import llama_cpp
 from spectrain.engines.server import Completion, LlamaServer
-from spectrain.eval import divergence, report
+from spectrain.eval import conformance, divergence, report
 from spectrain.eval.harness import DecodeConfig, _encode_all, prompt_id, validate_args
 from spectrain.eval.prompts import DEFAULT_OOD_SETS, load_prompt_set
 from spectrain.export.common import resolve_source
@@ -39,6 +40,7 @@ from spectrain.export.llama_cpp import GGUF_NAME, read_gguf_meta
 from spectrain.io.outputs import staged_dir
 from spectrain.recipe.load import load_recipe
 from spectrain.target.gguf import resolve_target_path
+from spectrain.target.model import load_target
 
 NGRAM_MODES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 SCALE_FLOOR = 1e-3  # nats: below this the two paths' margins agree to print precision
@@ -174,12 +176,33 @@ def main(args) -> int:
         records = _records(args, cells, sets, encoded, drafters, curve)
         meta = _meta(args, engine, target, sets, cells, curve, depth, time.monotonic() - t0)
         paths = report.write_all(tmp, meta, records)
+        if args.conform_to:
+            text = _conformance(args, meta, records, cells, sets, encoded, target)
+            (tmp / "conformance.md").write_text(text)
+            (tmp / "report.json").write_text(json.dumps({"meta": meta, "records": records}, indent=2) + "\n")
+            paths.append(tmp / "conformance.md")
+            print(text)
     print(report.summary_table(records, meta))
     print(f"wrote {', '.join(str(args.out / p.relative_to(tmp)) for p in paths)}")
     failed = report.greedy_failures(records)
     for line in failed:
         print(f"FAILURE: {line}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _conformance(args, meta, records, cells, sets, encoded, target: Path) -> str:
+    """Engine alpha_i against spectrain's intervals (eval/conformance.py), and how often spectrain's own plain
+    greedy answers (the dequantized target, fp32) equal the engine's."""
+    rows = conformance.alpha_rows(conformance.load_records(args.conform_to), records)
+    agreement = None
+    if 0 in args.temperature:
+        hf = load_target(str(target), dtype="float32", device="cpu")
+        own = [plain_generate(target=hf, input_ids=torch.tensor(ids), max_new_tokens=args.max_new_tokens).tokens
+               for ps in sets for ids in encoded[ps.name]]
+        theirs = [o for ps in sets for o in cells[("plain", "T=0", ps.name)]["outputs"]]
+        agreement = conformance.greedy_agreement([list(map(int, o)) for o in own], theirs)
+    meta["conformance"] = {"against": str(args.conform_to), "rows": rows, "greedy_agreement": agreement}
+    return conformance.markdown(rows, agreement)
 
 
 def _records(args, cells, sets, encoded, drafters, curve) -> list[dict]:

@@ -43,6 +43,7 @@ from spectrain.eval.prompts import (
 )
 from spectrain.eval.sweep import add_sweep_args, batch_sweep, timed, validate_sweep_args
 from spectrain.eval.tracking import log_trackers
+from spectrain.export.serving import parse_tree  # noqa: F401  (re-exported: tests and callers)
 from spectrain.io.outputs import resolve_out, staged_dir
 from spectrain.recipe.load import load_recipe
 from spectrain.target.model import load_target, resolve_dtype
@@ -106,27 +107,17 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "measured verify pass is faster, else fp32: docs/decoding.md), float32, bfloat16, float16")
 
     add_sweep_args(p)  # --batch-size (repeatable), --gpu, --gpu-bandwidth, --gpu-flops
+    p.add_argument("--engine", choices=["llama.cpp"], default=None,
+                   help="serve the grid with a real engine (llama.cpp, built by `spectrain engine fetch llama.cpp`; "
+                        "spectrain/eval/engine.py): --target is then a .gguf file")
+    p.add_argument("--threads", type=int, default=2, help="with --engine: threads of each llama-server (default 2)")
+    p.add_argument("--conform-to", default=None, help="with --engine: a `spectrain eval` report of the same drafter and "
+                   "prompts; writes conformance.md (engine alpha_i inside spectrain's 95%% intervals?)")
     p.add_argument("--cost-curve", action="store_true",
                    help="also measure the target's verification cost curve (one pass over t = 1..32 new tokens, "
                         "per batch size) and pick the chain length it predicts fastest from the measured alpha_i "
                         "and drafter cost (report: cost_curve.md)")
     return p
-
-
-def parse_tree(spec: str) -> dict:
-    """'topk=4,depth=5,total=32' -> {'topk': 4, 'depth': 5, 'total_tokens': 32}."""
-    names = {"topk": "topk", "depth": "depth", "total": "total_tokens", "total_tokens": "total_tokens"}
-    tree = {}
-    for part in filter(None, (s.strip() for s in spec.split(","))):
-        key, _, val = part.partition("=")
-        if key not in names or not val.isdigit() or int(val) <= 0:
-            raise ValueError(f"--tree {spec!r}: expected positive integers for topk=,depth=,total=, "
-                             f"e.g. topk=4,depth=5,total=32 (bad part {part!r})")
-        tree[names[key]] = int(val)
-    if "depth" not in tree or "topk" not in tree:
-        raise ValueError(f"--tree {spec!r}: needs at least topk= and depth=, e.g. topk=4,depth=5,total=32")
-    tree.setdefault("total_tokens", tree["topk"] * tree["depth"])
-    return tree
 
 
 def validate_args(args) -> None:

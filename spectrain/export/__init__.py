@@ -9,6 +9,7 @@ serving format (``export_<fmt>(src_dir, out_dir, target_name) -> summary``) and 
 | `vllm-medusa`   | vLLM Medusa                           | medusa.py  |
 | `medusa`        | TensorRT-LLM / original Medusa        | medusa.py  |
 | `hf-draft`      | any engine's separate draft model     | hf_draft.py|
+| `llama.cpp-eagle3`, `llama.cpp-draft` (`llama.cpp`: by the source's family) | llama.cpp (`llama-server`), GGUF | llama_cpp.py |
 
 Every exporter writes into a temporary sibling of ``out_dir``, validates it, and only then renames it into
 place: an invalid export never lands, and ``--force`` replaces an existing directory only with a valid one.
@@ -62,6 +63,19 @@ def _format(fmt: str) -> tuple[Callable[..., dict], Callable[..., list[str]]]:
     return registry.resolve(exporter), registry.resolve(validator)
 
 
+def engine_format(src: Path, fmt: str) -> str:
+    """``llama.cpp`` -> the llama.cpp format of the source's family (its ``llama.cpp-*`` export), or why none."""
+    if fmt != "llama.cpp":
+        return fmt
+    kind = json.loads((src / "drafter_config.json").read_text()).get("kind", "")
+    fam = registry.family(kind)
+    found = [f for f in fam.exports if f.startswith("llama.cpp-")]
+    if not found:
+        raise ValueError(f"llama.cpp serves no {fam.title}: it has EAGLE-3 heads, draft models and n-gram modes "
+                         f"(no Medusa); export {src} with --format {' or '.join(fam.exports)} for another engine")
+    return found[0]
+
+
 def formats() -> list[str]:
     """Every export format of every registered family (spectrain/registry.py)."""
     return [fmt for fam in registry.FAMILIES.values() for fmt in fam.exports]
@@ -72,6 +86,7 @@ def export(source, fmt: str, out, target: str | None = None, force: bool = False
     """Resolve a run or checkpoint dir, export it as ``fmt`` into ``out`` (validated before it lands), with the
     serve commands for a chain of ``k`` or a ``tree`` (summary["serve"], and the export's README.md)."""
     src = resolve_source(source)
+    fmt = engine_format(src, fmt)
     exporter = _format(fmt)[0]
     dest = guard_export(src, out, force, target)
     head = read_config(src, registry.format_family(fmt).kind, fmt)  # a drafter of the wrong kind fails here, naming the format
@@ -113,7 +128,8 @@ def _misfit(fmt: str, out: Path) -> str | None:
 def add_export_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("source", help="run dir (its best/, else last/) or checkpoint dir with drafter_config.json; "
                                   "with --validate-only: an exported directory")
-    p.add_argument("--format", required=True, choices=formats(), help="serving format")
+    p.add_argument("--format", required=True, choices=[*formats(), "llama.cpp"],
+                   help="serving format (llama.cpp: the llama.cpp GGUF of the source's family)")
     p.add_argument("--out", help="output directory (must not exist unless --force)")
     p.add_argument("--target", help="target model name/path written into the export (default: the one the "
                                     "drafter was trained on); a local directory also lets export check sizes")
@@ -159,6 +175,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"  includes the target's embed_tokens.weight ({summary['embed_tokens_bytes'] / 2**20:.1f} MiB) so the "
               "speculators package computes the same logits; vLLM/SGLang would share the target's anyway")
     print(f"\nserve it ({summary['decode']}; also in {Path(summary['out']) / 'README.md'}):")
+    if summary.get("serve_line"):  # llama.cpp-*: a GGUF for llama-server (spectrain/export/llama_cpp.py)
+        print(f"\n# llama.cpp (llama-server)\n{summary['serve_line']}")
     for cmd in summary["serve"]:
         print(f"\n# {ENGINE_NAMES[cmd.engine]}\n{cmd.text()}")
         for note in cmd.notes:
