@@ -30,6 +30,10 @@ from spectrain.engines.llama_cpp import Engine
 
 START_TIMEOUT = 180.0  # seconds for a server to load its models and answer /health
 _METRIC = re.compile(r'^llamacpp:(spec_decode_[a-z_]+)(?:\{position="(\d+)"\})?\s+([0-9.eE+-]+)$')
+# common/speculative.cpp common_speculative_print_stats (trace level, printed when a task ends): cumulative
+# calls and milliseconds of the draft's begin / generate / accept phases over the server's life
+_DRAFT_STATS = re.compile(r"statistics\s+\S+: #calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+).*"
+                          r"dur\(b,g,a\) = ([0-9.]+), ([0-9.]+), ([0-9.]+) ms")
 
 
 @dataclass
@@ -44,6 +48,7 @@ class Completion:
     drafts: int = 0  # verification steps
     accepted_per_pos: list[int] = field(default_factory=list)  # steps whose position i was accepted
     top2_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per generated token
+    draft_ms: float = 0.0  # the drafter's own time in this request (generate + accept phases)
 
 
 def free_port() -> int:
@@ -58,7 +63,7 @@ def server_command(engine: Engine, model: Path, port: int, threads: int, ctx: in
            "-np", "1", "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "--metrics", "--no-webui"]
     if spec_type:
         cmd += ["--spec-type", spec_type, "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
-                "--spec-draft-p-min", "0"]
+                "--spec-draft-p-min", "0", "-lv", "4"]  # trace level: the draft's own timings (draft_ms)
     if draft is not None:
         cmd += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
     return cmd
@@ -152,7 +157,7 @@ class LlamaServer:
     def complete(self, prompt: list[int], n_predict: int, temperature: float, seed: int,
                  top2: bool = False) -> Completion:
         """One /completion over token ids (the chat template is applied by the caller, as spectrain eval does)."""
-        before = self.spec_counters()
+        before, (n_before, ms_before) = self.spec_counters(), self._draft_stats()
         body = {"prompt": prompt, "n_predict": n_predict, "temperature": temperature, "seed": seed,
                 "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
@@ -165,7 +170,23 @@ class LlamaServer:
                 res = json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"llama-server answered {e.code}: {e.read()[:300]!r} (log {self.log})") from e
-        return _completion(res, before, self.spec_counters(), top2)
+        out = _completion(res, before, self.spec_counters(), top2)
+        if out.draft_n:  # the task's statistics line is logged by another thread: wait for it (<= 2 s)
+            deadline, (n, ms) = time.monotonic() + 2.0, self._draft_stats()
+            while n == n_before and time.monotonic() < deadline:
+                time.sleep(0.02)
+                n, ms = self._draft_stats()
+            out.draft_ms = ms - ms_before
+        return out
+
+    def _draft_stats(self) -> tuple[int, float]:
+        """(statistics lines logged so far, cumulative ms the drafter spent generating and accepting drafts)."""
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return 0, 0.0
+        found = _DRAFT_STATS.findall(text)
+        return len(found), (float(found[-1][4]) + float(found[-1][5]) if found else 0.0)
 
 
 def _completion(res: dict, before: dict, after: dict, top2: bool) -> Completion:

@@ -90,7 +90,8 @@ def _stats(c: Completion, k: int) -> DecodeStats:
     att = [c.drafts] + acc[:-1]
     passes = c.drafts + max(0, c.predicted_n - 1 - c.drafts - c.draft_n_accepted)  # steps without a draft
     return DecodeStats(k=k, attempts=att, accepts=acc, drafted=c.draft_n, target_passes=passes,
-                       emitted=c.predicted_n, sequences=1, wall_time_s=c.predicted_ms / 1e3)
+                       emitted=c.predicted_n, sequences=1, wall_time_s=c.predicted_ms / 1e3,
+                       draft_time_s=c.draft_ms / 1e3, target_time_s=max(0.0, c.predicted_ms - c.draft_ms) / 1e3)
 
 
 def _cell() -> dict:
@@ -223,10 +224,12 @@ def _records(args, cells, sets, encoded, drafters, curve) -> list[dict]:
 
 
 def _predict(rec: dict, curve: dict[int, float], k: int) -> float | None:
-    """tau / (cost(k+1) / cost(1)): the speedup if drafting were free (the draft's cost is in meta)."""
-    if rec["tau"] is None or (k + 1) not in curve:
+    """tau * cost(1) / (cost(k+1) + D): tokens per step over the time of one step, a verify pass over k + 1 tokens
+    (the engine's cost curve) plus D, the drafter's measured time per step, against one plain pass per token."""
+    if rec["tau"] is None or (k + 1) not in curve or not rec["target_passes"]:
         return None
-    return rec["tau"] / (curve[k + 1] / curve[1])
+    per_step = rec["draft_time_s"] / rec["target_passes"]
+    return rec["tau"] * curve[1] / (curve[k + 1] + per_step)
 
 
 def _meta(args, engine, target: Path, sets, cells, curve, depth: int, seconds: float) -> dict:
