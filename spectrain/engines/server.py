@@ -180,13 +180,16 @@ class LlamaServer:
         return out
 
     def _draft_stats(self) -> tuple[int, float]:
-        """(statistics lines logged so far, cumulative ms the drafter spent generating and accepting drafts)."""
+        """(requests the drafter began, cumulative ms it spent generating and accepting drafts), from the last
+        statistics line in the log's tail (the counts are cumulative, so the tail suffices)."""
         try:
-            text = self.log.read_text(errors="replace")
+            with open(self.log, "rb") as f:
+                f.seek(max(0, f.seek(0, 2) - (1 << 20)))
+                text = f.read().decode(errors="replace")
         except OSError:
             return 0, 0.0
         found = _DRAFT_STATS.findall(text)
-        return len(found), (float(found[-1][4]) + float(found[-1][5]) if found else 0.0)
+        return (int(found[-1][0]), float(found[-1][4]) + float(found[-1][5])) if found else (0, 0.0)
 
 
 def _completion(res: dict, before: dict, after: dict, top2: bool) -> Completion:
