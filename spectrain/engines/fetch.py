@@ -79,7 +79,11 @@ class _Links(html.parser.HTMLParser):
 def _listing(index: str, project: str) -> dict[str, str]:
     """filename -> absolute URL of every file the index lists for `project`."""
     base = index.rstrip("/") + "/" + re.sub(r"[-_.]+", "-", project).lower() + "/"
-    req = urllib.request.Request(base, headers={"Accept": f"{_JSON}, text/html;q=0.1"})
+    url = base
+    # A file:// index is a directory tree (pip reads <project>/index.html there); urllib cannot open a directory.
+    if base.startswith("file:") and os.path.isdir(urllib.request.url2pathname(urllib.parse.urlparse(base).path)):
+        url = base + "index.html"
+    req = urllib.request.Request(url, headers={"Accept": f"{_JSON}, text/html;q=0.1"})
     with urllib.request.urlopen(req, timeout=_TIMEOUT) as r:
         body = r.read(64 << 20).decode("utf-8", "replace")
         kind = r.headers.get("Content-Type", "") if hasattr(r, "headers") and r.headers else ""
