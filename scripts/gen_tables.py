@@ -238,6 +238,8 @@ TABLES: dict[str, tuple[str, object]] = {
     "medusa_lk_tiny": ("eval/reference/medusa_lk_tiny.json", _stored_table("medusa_lk_tiny")),
     "gpu_check_h200_sweep": ("eval/reference/gpu_check_h200.json", _stored_table("gpu_check_h200_sweep")),
     "gpu_check_h200_crossover": ("eval/reference/gpu_check_h200.json", _stored_table("gpu_check_h200_crossover")),
+    "bf16_divergence": ("eval/reference/bf16_cpu.json", _stored_table("bf16_divergence")),
+    "bf16_head_acceptance": ("eval/reference/bf16_cpu.json", _stored_table("bf16_head_acceptance")),
     **{name: (QS, _stored_table(name)) for name in QS_TABLES},
     **{name: (SQ, _stored_table(name)) for name in SQ_TABLES},
 }
