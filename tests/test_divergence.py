@@ -99,6 +99,14 @@ def test_auto_measures_once_per_target_and_machine(monkeypatch, tmp_path):
     assert len(calls) == 2  # no native bf16: nothing measured
 
 
+def test_measure_dtypes_times_both_and_leaves_the_fp32_model_alone():
+    model = make_tiny_model()
+    seconds = auto_dtype.measure_dtypes(model, FrozenTarget, (1, 3))  # what is timed, not how fast: no decision
+    assert {k: sorted(v) for k, v in seconds.items()} == {"float32": [1, 3], "bfloat16": [1, 3]}
+    assert all(s > 0 for v in seconds.values() for s in v.values())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
 def test_load_target_auto_switches_to_bf16_and_reports_why(monkeypatch, world):
     choice = auto_dtype.decide(["avx512_bf16"], _seconds(0.08, 0.05), 6)
     monkeypatch.setattr("spectrain.target.model.auto_cpu_dtype", lambda *a, **k: choice)

@@ -18,34 +18,17 @@ points is interpolated linearly. Everything is per batch size: measure the curve
 from __future__ import annotations
 
 import statistics
-import time
 
-import torch
-from transformers import DynamicCache
-
-from spectrain.decoding import kv_cache
 from spectrain.eval.roofline import crossover
+from spectrain.target.auto_dtype import verify_pass_seconds
 
 TOKENS = (1, 2, 4, 8, 16, 32)
 
 
-@torch.no_grad()
 def measure_curve(target, batch: int = 1, context: int = 200, tokens=TOKENS, repeats: int = 5,
                   seed: int = 0) -> dict[int, float]:
-    """Median seconds of one target pass over t new tokens per row (B rows, `context` cached tokens)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, target.vocab_size, (batch, context + max(tokens)), generator=g).to(target.device)
-    cache = DynamicCache()
-    target.model(ids[:, :context], use_cache=True, **{target._cache_kw: cache})
-    out: dict[int, list[float]] = {t: [] for t in tokens}
-    for r in range(repeats + 1):  # the first round warms up kernels and allocator; not counted
-        for t in tokens:  # interleaved, so a slow moment hits every t alike
-            kv_cache.crop(cache, context)
-            start = time.perf_counter()
-            target.model(ids[:, context:context + t], use_cache=True, **{target._cache_kw: cache})
-            if r:
-                out[t].append(time.perf_counter() - start)
-    return {t: statistics.median(v) for t, v in out.items()}
+    """Median seconds of one target pass over t new tokens per row (B rows, `context` cached)."""
+    return verify_pass_seconds(target, tokens, batch, context, repeats, seed)
 
 
 def cost_at(curve: dict[int, float], t: int) -> float:

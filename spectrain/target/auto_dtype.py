@@ -102,20 +102,26 @@ def auto_cpu_dtype(model, wrap, key: str, verify_tokens: int = 6, cpuinfo: str |
 def measure_dtypes(model, wrap, tokens: tuple[int, ...]) -> dict[str, dict[int, float]]:
     """Median seconds of one pass over t new tokens (CONTEXT cached) in fp32 and in a bf16 copy of `model`."""
     bf16 = copy.deepcopy(model).to(torch.bfloat16)  # the fp32 weights stay untouched for an fp32 choice
-    return {"float32": _pass_seconds(wrap(model), tokens), "bfloat16": _pass_seconds(wrap(bf16), tokens)}
+    return {"float32": verify_pass_seconds(wrap(model), tokens), "bfloat16": verify_pass_seconds(wrap(bf16), tokens)}
 
 
-def _pass_seconds(target, tokens) -> dict[int, float]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, target.vocab_size, (1, CONTEXT + max(tokens)), generator=g)
+@torch.no_grad()
+def verify_pass_seconds(target, tokens=(1, 6), batch: int = 1, context: int = CONTEXT, repeats: int = REPEATS,
+                        seed: int = 0) -> dict[int, float]:
+    """Median seconds of one target pass over t new tokens per row (B rows, `context` cached), through the
+    forward decoding verifies with; the eval's cost curve (spectrain/eval/cost_curve.py) is this too."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.vocab_size, (batch, context + max(tokens)), generator=g).to(target.device)
     cache = DynamicCache()
-    target.forward(ids[:, :CONTEXT], cache=cache, use_cache=True, want_logits=False)
+    target.forward(ids[:, :context], cache=cache, use_cache=True, want_logits=False)
     out: dict[int, list[float]] = {t: [] for t in tokens}
-    for r in range(REPEATS + 1):  # round 0 warms kernels and the allocator; interleaved so load hits all t alike
+    for r in range(repeats + 1):  # round 0 warms kernels and the allocator; interleaved so load hits all t alike
         for t in tokens:
-            cache.crop(CONTEXT)
+            extra = cache.get_seq_length() - context
+            if extra:
+                cache.crop(-extra)  # transformers' crop takes a positive length no more: drop the last `extra`
             start = time.perf_counter()
-            target.forward(ids[:, CONTEXT:CONTEXT + t], cache=cache, use_cache=True)
+            target.forward(ids[:, context:context + t], cache=cache, use_cache=True)
             if r:
                 out[t].append(time.perf_counter() - start)
     return {t: statistics.median(v) for t, v in out.items()}
