@@ -100,7 +100,7 @@ def test_auto_measures_once_per_target_and_machine(monkeypatch, tmp_path):
 
 
 def test_measure_dtypes_times_both_and_leaves_the_fp32_model_alone():
-    model = make_tiny_model()
+    model = make_tiny_model(max_positions=64)  # shorter than the 200 cached tokens: the context shrinks to fit
     seconds = auto_dtype.measure_dtypes(model, FrozenTarget, (1, 3))  # what is timed, not how fast: no decision
     assert {k: sorted(v) for k, v in seconds.items()} == {"float32": [1, 3], "bfloat16": [1, 3]}
     assert all(s > 0 for v in seconds.values() for s in v.values())

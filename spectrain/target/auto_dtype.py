@@ -102,7 +102,9 @@ def auto_cpu_dtype(model, wrap, key: str, verify_tokens: int = 6, cpuinfo: str |
 def measure_dtypes(model, wrap, tokens: tuple[int, ...]) -> dict[str, dict[int, float]]:
     """Median seconds of one pass over t new tokens (CONTEXT cached) in fp32 and in a bf16 copy of `model`."""
     bf16 = copy.deepcopy(model).to(torch.bfloat16)  # the fp32 weights stay untouched for an fp32 choice
-    return {"float32": verify_pass_seconds(wrap(model), tokens), "bfloat16": verify_pass_seconds(wrap(bf16), tokens)}
+    window = getattr(model.config, "max_position_embeddings", None) or CONTEXT + max(tokens)
+    ctx = max(1, min(CONTEXT, window - max(tokens)))  # a short-context target still fits the timed pass
+    return {name: verify_pass_seconds(wrap(m), tokens, context=ctx) for name, m in (("float32", model), ("bfloat16", bf16))}
 
 
 @torch.no_grad()
