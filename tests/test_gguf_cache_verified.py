@@ -60,7 +60,8 @@ def test_an_entry_lists_and_checks_every_file(made, entry):
     assert current(made, entry)
 
 
-@pytest.mark.parametrize("damage", ["weights", "rope_theta", "planted_template", "missing_file", "no_manifest"])
+@pytest.mark.parametrize("damage", ["weights", "rope_theta", "planted_template", "missing_file", "no_manifest",
+                                    "bad_manifest"])
 def test_a_changed_entry_is_stale(made, entry, damage):
     if damage == "weights":
         flip_last_byte(entry / "model.safetensors")
@@ -72,6 +73,8 @@ def test_a_changed_entry_is_stale(made, entry, damage):
         (entry / "chat_template.jinja").write_text("{{ 'pwned' }}")  # not a weight file, still not ours
     elif damage == "missing_file":
         (entry / "tokenizer.json").unlink()
+    elif damage == "bad_manifest":
+        (entry / "SHA256SUMS").write_text("not a manifest line\n")
     else:
         (entry / "SHA256SUMS").unlink()
     with pytest.warns(UserWarning, match=f"{entry}.* failed its check"):

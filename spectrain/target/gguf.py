@@ -45,7 +45,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from spectrain.io.integrity import MANIFEST, problems, read_manifest, seal, sha256
+from spectrain.io.integrity import MANIFEST, IntegrityError, problems, read_manifest, seal, sha256
 
 MARKER = "spectrain_gguf.json"
 
@@ -190,7 +190,10 @@ def entry_is_current(out: Path, sha: str) -> bool:
     if not out.exists():
         return False
     files = _entry_files(out)
-    listed = read_manifest(out) if (out / MANIFEST).is_file() else None
+    try:
+        listed = read_manifest(out) if (out / MANIFEST).is_file() else None
+    except IntegrityError as e:  # a malformed manifest: the entry is ours and private, so it is re-made
+        return _stale(out, str(e))
     if listed is None:
         if MARKER not in files:
             raise FileExistsError(f"{out} exists and is not a spectrain GGUF conversion; move it away")
