@@ -3,35 +3,97 @@
 A family is one module (or folder) under spectrain/drafters/ plus one ``register(Family(...))`` line here;
 recipes name it with ``drafter.kind`` and configure it in the ``drafter.<kind>`` section (``section``).
 References are "module:attribute" strings, resolved on use, so importing spectrain (or training one family)
-never imports every family's dependencies, and this module sits below every other layer.
+never imports every family's dependencies, and this module sits below every other layer. No module outside a
+family's own (its drafters/ module or folder and its export/ module) compares ``drafter.kind`` with a family's
+name: what differs between families is a hook or a capability here (tests/test_family_names.py enforces it).
 
-The record holds:
-- ``head``: the trained module class (``feature_spec()``, ``train_loss(batch, feats, target)``,
-  ``save_pretrained(dir)``; the training loop's side);
+The record holds (hooks are "module:function" strings or callables; "" = the default named):
+- ``head``: the trained module class, a ``TrainableHead`` (the training loop's side);
 - ``build``: ``(recipe, target, token_counts) -> head`` (default: ``head.from_recipe``);
 - ``drafter``: ``(path, target) -> Drafter``, the decoding side loaded from a saved head;
 - ``section``: the dataclass of its recipe keys (``drafter.<kind>``), or None for a family the recipe
   schema already carries;
-- ``features``: the ONE description of the target features it reads (``FeatureSpec``), used by training,
-  the offline feature cache and decoding alike;
+- ``features``: the target features it reads, a ``FeatureSpec`` or ``(recipe, target) -> FeatureSpec``
+  (the aux layer ids depend on the recipe and the target): read by the offline feature cache;
 - ``exports``: export format name -> ("module:export_function", "module:validate_function");
-- ``preflight``: "module:function(recipe, target_config)" raising ValueError before any compute, or "".
+- ``engines``: export format -> the serving engines that load it (spectrain/export/serving.py prints their
+  commands); ``serve``: ``(engine, target, model_dir, decode, head_config) -> ServeCommand``;
+  ``serve_k``: ``(head_config, k or None) -> k`` (the draft length served when --k is not given, and the
+  family's limit; default: 5, ``spectrain eval``'s default, without a limit);
+- ``engine_problems``: ``(engine, layout_flags, sliding, num_layers, aux) -> [why engine cannot serve it]``
+  (default: every engine can);
+- ``preflight``: ``(recipe, target_config, tokenizer)`` raising ValueError before any compute (`spectrain
+  check` and `train`); ``validate``: ``(recipe)`` raising ValueError, run by recipe validation;
+- ``cost``: ``(recipe, target_shape, student_shape or None, tokens_per_row) -> plan.DraftCost`` (the plan's
+  FLOPs and sizes; default: none, and the plan says so); ``cost_config``: ``(recipe) -> HF config or None``,
+  a model config of its own the cost reads (a draft LM's);
+- ``run_inputs``: ``(recipe) -> [(what, path)]``, inputs a run reads beyond the target, data and cache;
+- ``deploy_cost``: ``(target_config, head_config, dtype_bytes) -> roofline.ModelCost`` (the head spectrain
+  would build for a target; default: the loaded module's measured size);
+- ``capabilities``: what the shared machinery may do with it: "packing" (training.packing), "rollout"
+  (drafter.eagle3.rollout), "on_policy" (training.on_policy), "one_pass" (all k drafts from one forward).
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FeatureSpec:
-    """Which target features a family reads: the aux layers' inputs (EAGLE-3), the last hidden state before
-    the final norm (EAGLE-3, draft models: teacher logits), the normed final hidden state (Medusa)."""
+    """Which target features are read: the inputs of target layers ``aux_layers`` (EAGLE-3), the last hidden
+    state before the final norm (EAGLE-3, draft models: teacher logits), the normed final hidden state
+    (Medusa). ONE description, returned by a head's ``feature_spec()``, a decoding drafter's ``features()`` and
+    the record's ``features``; compares equal to its dict form (``as_dict``), which older heads return."""
 
-    aux_layers: bool = False
+    aux_layers: tuple[int, ...] = ()
     last_hidden: bool = False
     final_hidden: bool = False
+
+    def as_dict(self) -> dict:
+        out: dict[str, Any] = {"aux_layers": list(self.aux_layers)} if self.aux_layers else {}
+        if self.last_hidden:
+            out["want_last_hidden"] = True
+        if self.final_hidden:
+            out["want_final_hidden"] = True
+        return out
+
+    @classmethod
+    def of(cls, spec) -> FeatureSpec:
+        """A FeatureSpec, or the dict form a head may return ({"aux_layers": [...], "want_last_hidden": True})."""
+        if isinstance(spec, FeatureSpec):
+            return spec
+        spec = spec or {}
+        return cls(tuple(spec.get("aux_layers") or ()), bool(spec.get("want_last_hidden")),
+                   bool(spec.get("want_final_hidden")))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (FeatureSpec, dict)):
+            o = FeatureSpec.of(other)
+            return (tuple(self.aux_layers), self.last_hidden, self.final_hidden) == \
+                (tuple(o.aux_layers), o.last_hidden, o.final_hidden)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.aux_layers), self.last_hidden, self.final_hidden))
+
+
+@runtime_checkable
+class TrainableHead(Protocol):
+    """The training half of a family's contract: what spectrain/train/loop.py calls on ``Family.head``.
+
+    Built by ``Family.build`` or ``head.from_recipe(recipe, target, token_counts)``; an ``nn.Module``."""
+
+    def feature_spec(self) -> FeatureSpec | dict:
+        """The target features ``train_loss`` reads (online: computed per batch; offline: from the cache)."""
+
+    def train_loss(self, batch: dict, feats: dict, target) -> tuple[Any, dict[str, float]]:
+        """(loss tensor, metrics: floats logged per step, e.g. acc_i / sim_tau from train/metrics.py)."""
+
+    def save_pretrained(self, path, state_dict: dict | None = None) -> None:
+        """``drafter_config.json`` + weights: what ``Family.drafter`` and the exporters read back."""
 
 
 @dataclass(frozen=True)
@@ -40,11 +102,21 @@ class Family:
     title: str  # in messages: "EAGLE-3 heads"
     head: str
     drafter: str
-    features: FeatureSpec
+    features: FeatureSpec | str
     build: str = ""
     section: type | None = None
     exports: dict[str, tuple[str, str]] = field(default_factory=dict)
+    engines: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    serve: str = ""
+    serve_k: str = ""
+    engine_problems: str = ""
     preflight: str = ""
+    validate: str = ""
+    cost: str = ""
+    cost_config: str = ""
+    run_inputs: str = ""
+    deploy_cost: str = ""
+    capabilities: frozenset[str] = frozenset()
 
 
 FAMILIES: dict[str, Family] = {}
@@ -77,6 +149,30 @@ def family(kind: str) -> Family:
     return FAMILIES[kind]
 
 
+def hook(kind: str, name: str):
+    """A family's hook ``name`` resolved, or None when the family leaves it to the default (or ``kind`` is
+    training-free)."""
+    f = FAMILIES.get(kind)
+    ref = getattr(f, name) if f is not None else ""
+    return resolve(ref) if ref else None
+
+
+def supports(kind: str, capability: str) -> bool:
+    f = FAMILIES.get(kind)
+    return f is not None and capability in f.capabilities
+
+
+def with_capability(capability: str) -> list[str]:
+    """The kinds that declare ``capability`` (for messages: "implemented for drafter.kind=eagle3 only")."""
+    return [k for k, f in FAMILIES.items() if capability in f.capabilities]
+
+
+def feature_spec(kind: str, recipe, target) -> FeatureSpec:
+    """The target features a recipe's family reads, for this target (the offline feature cache's contents)."""
+    spec = family(kind).features
+    return FeatureSpec.of(spec if isinstance(spec, (FeatureSpec, dict)) else resolve(spec)(recipe, target))
+
+
 def build_head(kind: str, recipe, target, token_counts):
     """The trained module a recipe asks for, freshly built (or initialised from an existing head)."""
     f = family(kind)
@@ -89,16 +185,39 @@ def format_family(fmt: str) -> Family | None:
     return next((f for f in FAMILIES.values() if fmt in f.exports), None)
 
 
-_E = "spectrain.export."
-register(Family("eagle3", "EAGLE-3 heads", head="spectrain.drafters.eagle3.model:Eagle3Drafter",
-                build="spectrain.drafters.eagle3.interop:build", drafter="spectrain.drafters.eagle3.decode:load",
-                features=FeatureSpec(aux_layers=True, last_hidden=True),
-                exports={"vllm-eagle3": (_E + "eagle3:export_vllm_eagle3", _E + "eagle3:validate_vllm_eagle3"),
-                         "sglang-eagle3": (_E + "eagle3:export_sglang_eagle3", _E + "eagle3:validate_sglang_eagle3")}))
-register(Family("medusa", "Medusa heads", head="spectrain.drafters.medusa:MedusaHeads",
-                drafter="spectrain.drafters.medusa:load", features=FeatureSpec(final_hidden=True),
-                exports={"vllm-medusa": (_E + "medusa:export_vllm_medusa", _E + "medusa:validate_vllm_medusa"),
-                         "medusa": (_E + "medusa:export_medusa", _E + "medusa:validate_medusa")}))
-register(Family("draft", "separate draft models", head="spectrain.drafters.draft_lm:DraftStudent",
-                drafter="spectrain.drafters.draft_lm:load", features=FeatureSpec(last_hidden=True),
-                exports={"hf-draft": (_E + "hf_draft:export_hf_draft", _E + "hf_draft:validate_hf_draft")}))
+def format_engines(fmt: str) -> tuple[str, ...]:
+    """The serving engines that load an export format (() for a format no engine serves)."""
+    f = format_family(fmt)
+    return tuple(f.engines.get(fmt, ())) if f is not None else ()
+
+
+_D, _E = "spectrain.drafters.", "spectrain.export."
+register(Family(
+    "eagle3", "EAGLE-3 heads", head=_D + "eagle3.model:Eagle3Drafter", build=_D + "eagle3.interop:build",
+    drafter=_D + "eagle3.decode:load", features=_D + "eagle3.layout:features_for",
+    exports={"vllm-eagle3": (_E + "eagle3:export_vllm_eagle3", _E + "eagle3:validate_vllm_eagle3"),
+             "sglang-eagle3": (_E + "eagle3:export_sglang_eagle3", _E + "eagle3:validate_sglang_eagle3"),
+             "llama.cpp-eagle3": (_E + "llama_cpp:export_llama_cpp_eagle3", _E + "llama_cpp:validate_llama_cpp_eagle3")},
+    engines={"vllm-eagle3": ("vllm",), "sglang-eagle3": ("sglang", "trtllm")},
+    serve=_E + "eagle3:serve_command", serve_k=_E + "eagle3:serve_k",
+    engine_problems="spectrain.recipe.deploy:eagle3_problems", preflight=_D + "eagle3.layout:preflight",
+    cost="spectrain.train.plan:eagle3_cost", deploy_cost="spectrain.eval.roofline:eagle3_deploy_cost",
+    capabilities=frozenset({"packing", "rollout"})))
+register(Family(
+    "medusa", "Medusa heads", head=_D + "medusa:MedusaHeads", drafter=_D + "medusa:load",
+    features=FeatureSpec(final_hidden=True),
+    exports={"vllm-medusa": (_E + "medusa:export_vllm_medusa", _E + "medusa:validate_vllm_medusa"),
+             "medusa": (_E + "medusa:export_medusa", _E + "medusa:validate_medusa")},
+    engines={"vllm-medusa": ("vllm",), "medusa": ("trtllm",)},
+    serve=_E + "medusa:serve_command", serve_k=_E + "medusa:serve_k",
+    engine_problems="spectrain.recipe.deploy:medusa_problems", cost="spectrain.train.plan:medusa_cost",
+    capabilities=frozenset({"one_pass"})))
+register(Family(
+    "draft", "separate draft models", head=_D + "draft_lm:DraftStudent", drafter=_D + "draft_lm:load",
+    features=FeatureSpec(last_hidden=True),
+    exports={"hf-draft": (_E + "hf_draft:export_hf_draft", _E + "hf_draft:validate_hf_draft"),
+             "llama.cpp-draft": (_E + "llama_cpp:export_llama_cpp_draft", _E + "llama_cpp:validate_llama_cpp_draft")},
+    engines={"hf-draft": ("vllm", "sglang", "trtllm")}, serve=_E + "hf_draft:serve_command",
+    preflight=_D + "draft_lm_checks:preflight", validate=_D + "draft_lm_checks:check_recipe", cost="spectrain.train.plan:draft_cost",
+    cost_config=_D + "draft_lm_checks:student_config", run_inputs=_D + "draft_lm_checks:run_inputs",
+    capabilities=frozenset({"on_policy"})))

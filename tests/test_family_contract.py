@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,14 +20,17 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from test_evaluate import write_tiny_chat_world
 from torch import nn
+from transformers import AutoConfig
 
 from spectrain import registry
 from spectrain.cli import main as cli_main
 from spectrain.decoding.interface import Drafter, Proposal
 from spectrain.export import export, validate
+from spectrain.export.serving import ServeCommand
 from spectrain.io.integrity import seal
 from spectrain.recipe.load import load_recipe
 from spectrain.train import loop as T
+from spectrain.train import plan
 from spectrain.train.preflight import main as check_main
 
 
@@ -168,3 +172,52 @@ def test_every_family_record_resolves(kind):
     assert callable(registry.resolve(fam.drafter))
     for fmt, (exporter, validator) in fam.exports.items():
         assert callable(registry.resolve(exporter)) and callable(registry.resolve(validator)), fmt
+
+
+# ---- the same family with its plan and serving hooks: parity with the built-ins, through the record alone ----
+def bigram_cost(recipe, t, student, seq) -> plan.Drafter:
+    rank = recipe.drafter.sections["bigram"].rank
+    p = t.vocab * rank + rank * t.vocab + t.vocab  # a: [V, rank]; b: weight [V, rank] + bias [V]
+    return plan.Drafter(p, p, 6.0 * p, 4 * 4 * t.vocab, 0.0, 0)
+
+
+def serve_bigram(engine, target, model_dir, d, head) -> ServeCommand:
+    spec = {"method": "bigram", "model": model_dir, "num_speculative_tokens": d.k}
+    return ServeCommand(engine, ["vllm", "serve", target, "--speculative-config", json.dumps(spec)])
+
+
+def bigram_k(head, k):
+    return head["rank"] if k is None else k  # an arbitrary default, to see that it is the family's
+
+
+SERVED = dataclasses.replace(FAMILY, cost=bigram_cost, engines={"bigram-table": ("vllm",)}, serve=serve_bigram,
+                             serve_k=bigram_k)
+
+
+def test_a_fifth_family_gets_its_plan_and_serve_commands_from_its_record(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(registry, "FAMILIES", dict(registry.FAMILIES))
+    registry.register(SERVED)
+    d = write_tiny_chat_world(tmp_path)
+    recipe = tmp_path / "bigram.yaml"
+    recipe.write_text(
+        f"target:\n  name_or_path: {d / 'target'}\ndata:\n  train_files: [{d / 'chat.jsonl'}]\n  heldout_fraction: 0.25\n"
+        "drafter:\n  kind: bigram\n  bigram:\n    rank: 4\ntraining:\n  global_batch_size: 4\n  micro_batch_size: 4\n"
+        f"  max_steps: 2\n  packing: false\noutput_dir: {tmp_path / 'run'}\n")
+    vocab = AutoConfig.from_pretrained(str(d / "target")).vocab_size
+    p = 2 * 4 * vocab + vocab
+    assert check_main(str(recipe), [], plan="1xH100") == 0
+    out = capsys.readouterr().out
+    assert f"drafter fwd/bwd {6 * p / 1e9:.3g} G ({p / 1e6:.1f} M params, {p / 1e6:.1f} M trained)" in out, out
+    monkeypatch.setitem(registry.FAMILIES, "bigram", dataclasses.replace(SERVED, cost=""))
+    assert check_main(str(recipe), [], plan="1xH100") == 2  # no cost hook: no plan, not another family's formula
+    assert "declares no training cost" in capsys.readouterr().err
+    monkeypatch.setitem(registry.FAMILIES, "bigram", SERVED)
+
+    ckpt = tmp_path / "ckpt"
+    BigramHead(vocab, 4, str(d / "target")).save_pretrained(ckpt)
+    seal(ckpt)
+    for k, want in ((None, 4), (2, 2)):  # the family's default k (its rank here), then --k
+        summary = export(ckpt, "bigram-table", tmp_path / f"exported-{k}", target="TARGET", k=k)
+        (cmd,) = summary["serve"]
+        assert cmd.engine == "vllm" and cmd.argv[:3] == ["vllm", "serve", "TARGET"]
+        assert json.loads(cmd.argv[-1])["num_speculative_tokens"] == want

@@ -45,6 +45,7 @@ from spectrain.io.integrity import sha256
 from spectrain.io.outputs import MARKER, check_placement, write_marker, write_text_safe
 from spectrain.io.progress import Progress
 from spectrain.recipe.load import load_recipe
+from spectrain.registry import FeatureSpec
 from spectrain.target.fingerprint import same_target, target_fingerprint
 from spectrain.target.model import load_target
 
@@ -241,11 +242,9 @@ def write_feature_cache(target, splits: dict, out_dir, aux_layers: list[int], dt
 
 
 def aux_layers_for(recipe, target) -> list[int]:
-    """The aux layers the recipe's drafter needs ([] for families that only use the last hidden state)."""
-    if not registry.family(recipe.drafter.kind).features.aux_layers:
-        return []
-    e = recipe.drafter.eagle3
-    return target.validate_aux_layers(list(e.aux_layers) or target.default_aux_layers())
+    """The aux layers the recipe's drafter needs, as its family's record says ([] for families that only use
+    the last hidden state)."""
+    return list(registry.feature_spec(recipe.drafter.kind, recipe, target).aux_layers)
 
 
 class FeatureCache:
@@ -288,7 +287,7 @@ class FeatureCache:
         self.lengths = [n for sh in self.shards for n in sh["lengths"]]
         self.device = device if device is not None else target.device
         self.pad_id = _pad_id(target) if pad_id is None else pad_id
-        self.spec: dict = {}
+        self.spec = FeatureSpec()
         self._open: dict[int, tuple] = {}
         if verify == "full":
             for j in range(len(self.shards)):
@@ -297,9 +296,10 @@ class FeatureCache:
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def bind(self, spec: dict) -> None:
+    def bind(self, spec: FeatureSpec | dict) -> None:
         """Check that the cache holds what the drafter asks for (``feature_spec()``)."""
-        want = list(spec.get("aux_layers", []))
+        spec = FeatureSpec.of(spec)
+        want = list(spec.aux_layers)
         if want and want != self.manifest["aux_layers"]:
             raise ValueError(f"the drafter needs aux layers {want}, feature cache {self.path} holds "
                              f"{self.manifest['aux_layers']}: rebuild the cache for this drafter")
@@ -359,7 +359,7 @@ class FeatureCache:
             for r, row in enumerate(rows):
                 x[r, : row[key].shape[0]] = row[key]
             feats[key] = x.to(self.device)
-        if self.spec.get("want_final_hidden"):
+        if self.spec.final_hidden:
             with torch.no_grad():
                 feats["final_hidden"] = self.target.norm(feats["last_hidden"])
         return batch, feats

@@ -49,6 +49,7 @@ from spectrain.decoding.step import (
     record_step,
     timed,
 )
+from spectrain.registry import FeatureSpec
 
 
 @dataclass
@@ -74,8 +75,8 @@ def generate_batched(target, drafter, rows: list[list[int]], max_new: int, k: in
 
 def _generate_chunk(target, drafter, prompts, max_new, k, sampler, eos, tree) -> list:
     dev = target.device
-    aux_layers = list(getattr(drafter, "aux_layers", []) or []) if drafter is not None else []
-    want_final = bool(drafter is not None and getattr(drafter, "needs_final_hidden", False))
+    spec = drafter.features() if drafter is not None else FeatureSpec()
+    aux_layers, want_final = list(spec.aux_layers), spec.final_hidden
     want_feats = bool(aux_layers) or want_final
     rows = [_Row(tokens=list(p), stats=DecodeStats(k=k, sequences=1, prefill_tokens=len(p))) for p in prompts]
     for r in rows:

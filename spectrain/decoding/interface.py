@@ -27,7 +27,8 @@ of its first row; rows are consecutive positions); concatenate them onto what yo
 Row j of ``aux`` is ``cat([input of layer a][pos] for a in aux_layers], -1)`` (in the order of
 ``aux_layers``), row j of ``final_hidden`` the target's normed last hidden state at that position,
 both exactly what a from-scratch target forward over ``ctx.tokens`` would give. Head drafters
-declare what they need with ``aux_layers`` / ``needs_final_hidden``; nothing is computed otherwise.
+declare what they need with ``features()``, the same ``FeatureSpec`` their trained head returns
+(spectrain/registry.py); nothing is computed otherwise.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from spectrain.registry import FeatureSpec
 
 if TYPE_CHECKING:  # annotations only: the sampler module itself checks arguments against this interface
     from spectrain.decoding.sampling import Sampler
@@ -94,9 +97,14 @@ class Proposal:
 
 class Drafter:
     name: str = "drafter"
+    # The default ``features()`` reads these two; a drafter backed by a trained head returns the head's spec.
     aux_layers: list[int] = []  # target layers (inputs of) whose states the drafter needs
     needs_final_hidden: bool = False
     supports_tree: bool = False
+
+    def features(self) -> FeatureSpec:
+        """The target features both decoding loops compute for this drafter (aux layers, final hidden)."""
+        return FeatureSpec(tuple(self.aux_layers or ()), final_hidden=bool(self.needs_final_hidden))
 
     def begin(self, prompt: torch.Tensor) -> None:
         """Start a new sequence."""

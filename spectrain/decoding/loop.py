@@ -42,6 +42,7 @@ from spectrain.decoding.step import (
     timed,
 )
 from spectrain.decoding.validate import check_generate_args, positive_int
+from spectrain.registry import FeatureSpec
 
 __all__ = ["DecodeStats", "SpecOutput", "plain_generate", "speculative_generate"]
 
@@ -169,8 +170,8 @@ def _generate_one(target, drafter, prompt: list[int], max_new: int, k: int, samp
     dev = target.device
     stats = DecodeStats(k=k, sequences=1, prefill_tokens=len(prompt))
     stats._grow(k)
-    aux_layers = list(getattr(drafter, "aux_layers", []) or []) if drafter is not None else []
-    want_final = bool(drafter is not None and getattr(drafter, "needs_final_hidden", False))
+    spec = drafter.features() if drafter is not None else FeatureSpec()
+    aux_layers, want_final = list(spec.aux_layers), spec.final_hidden
     want_feats = bool(aux_layers) or want_final
     tokens = list(prompt)
     # A plain DynamicCache (full-attention layers only) so that any prefix can be cropped or gathered;

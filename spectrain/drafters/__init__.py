@@ -42,14 +42,14 @@ def load_drafter(spec, target) -> Drafter:
                          f"{type(spec).__name__}" + (" (the target? pass it as the second argument)"
                                                       if hasattr(spec, "tokenizer") else ""))
     spec = str(spec)
-    needs_target = spec.split(":", 1)[0].strip() != "ngram"  # n-gram drafts from the tokens alone
+    needs_target = not NgramDrafter.is_spec(spec)  # n-gram drafts from the tokens alone
     if needs_target and (not hasattr(target, "vocab_size") or not hasattr(target, "forward")):
         raise ValueError(f"load_drafter(spec, target): target must be a loaded target (spectrain.load_target), got "
                          f"{type(target).__name__}")
     if not spec.strip():
         raise ValueError("load_drafter: the drafter spec is empty (it would load whatever is in the current "
                          "directory): give 'ngram', a trained drafter directory (e.g. runs/NAME/best) or an HF id")
-    if spec.split(":", 1)[0].strip() == "ngram":
+    if NgramDrafter.is_spec(spec):
         return NgramDrafter.from_spec(spec)
     path = Path(spec)
     if not path.exists() and looks_local(spec):

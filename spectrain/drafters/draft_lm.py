@@ -35,6 +35,7 @@ from spectrain.drafters.head_io import CONFIG_NAME, warn_if_other_target
 from spectrain.drafters.losses import drafter_loss
 from spectrain.io.integrity import seal_head
 from spectrain.recipe.load import check_draft_layers
+from spectrain.registry import FeatureSpec
 from spectrain.target.fingerprint import target_fingerprint
 from spectrain.target.model import gathered
 
@@ -354,8 +355,8 @@ class DraftStudent(nn.Module):
                "target_fingerprint": target_fingerprint(target), "sim_k": SIM_K}
         return cls(model, cfg, tokenizer=target.tokenizer).to(target.device)
 
-    def feature_spec(self) -> dict:
-        return {"want_last_hidden": True}  # teacher logits = the target's norm + lm_head on it
+    def feature_spec(self) -> FeatureSpec:
+        return FeatureSpec(last_hidden=True)  # teacher logits = the target's norm + lm_head on it
 
     def train_loss(self, batch: dict, feats: dict, target) -> tuple[torch.Tensor, dict[str, float]]:
         ids, am, lm = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()

@@ -31,6 +31,7 @@ from torch import nn
 from spectrain.decoding.interface import DraftContext, Drafter, Proposal
 from spectrain.drafters.head_io import WEIGHTS_NAME, check_state, read_head_config, save_head
 from spectrain.drafters.losses import drafter_loss, overlap, sim_tau
+from spectrain.registry import FeatureSpec
 from spectrain.target.fingerprint import target_fingerprint
 
 
@@ -82,9 +83,9 @@ class MedusaHeads(nn.Module):
                "target_fingerprint": target_fingerprint(target)}
         return cls(cfg, target.lm_head.weight).to(target.device)
 
-    def feature_spec(self) -> dict:
+    def feature_spec(self) -> FeatureSpec:
         # The normed last hidden state is all Medusa reads; the teacher logits are lm_head(it).
-        return {"want_final_hidden": True}
+        return FeatureSpec(final_hidden=True)
 
     # ---- forward -----------------------------------------------------------------------------
     def head_logits(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -168,13 +169,15 @@ class MedusaProposer(Drafter):
     verification exact (``Proposal.probs=None``: q is one-hot)."""
 
     name = "medusa"
-    needs_final_hidden = True
     supports_tree = True
 
     def __init__(self, model: MedusaHeads, target):
         self.model = model.eval()
         self.target = target
         self.begin(None)
+
+    def features(self) -> FeatureSpec:
+        return self.model.feature_spec()  # the heads' own spec: the normed final hidden state
 
     def begin(self, prompt: torch.Tensor | None) -> None:
         self.last = None  # final hidden row of the newest position received
@@ -188,7 +191,7 @@ class MedusaProposer(Drafter):
         if f is not None and len(f):
             if f.final_hidden is None:
                 raise ValueError("Medusa needs ctx.features.final_hidden (the target's normed last hidden "
-                                 "state); the decoder must honour needs_final_hidden=True")
+                                 "state); the decoder must honour the drafter's features() (final_hidden)")
             if f.start > self.n:
                 raise ValueError(f"Medusa drafter got features from position {f.start} but has only {self.n}: "
                                  "features for committed positions were skipped")
@@ -196,7 +199,7 @@ class MedusaProposer(Drafter):
             self.n = f.start + len(f)
         if self.n != total - 1 or self.last is None:
             raise ValueError(f"Medusa drafter has features for {self.n} positions but {total} tokens are committed; "
-                             f"features must lag the tokens by exactly one (base.py contract)")
+                             f"features must lag the tokens by exactly one (spectrain/decoding/interface.py contract)")
 
     def _check_depth(self, k: int) -> None:
         if k > self.model.num_heads:

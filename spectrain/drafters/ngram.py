@@ -27,6 +27,11 @@ class NgramDrafter(Drafter):
             raise ValueError(f"ngram drafter k must be positive, got {k}")
         self.max_n, self.min_n, self.k = max_n, min_n, k
 
+    @staticmethod
+    def is_spec(spec: str) -> bool:
+        """"ngram" / "ngram:..." (a drafter spec, not a path)."""
+        return spec.split(":", 1)[0].strip() == "ngram"
+
     @classmethod
     def from_spec(cls, spec: str) -> NgramDrafter:
         """Parse "ngram" / "ngram:max_n=3,min_n=1,k=8"."""

@@ -18,6 +18,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from spectrain import registry
 from spectrain.decoding.loop import DecodeStats, plain_generate, speculative_generate
 from spectrain.eval import roofline
 
@@ -140,8 +141,9 @@ def _drafter_cost(drafter, target, dtype_bytes: int, deploy: bool) -> roofline.M
     if not isinstance(model, torch.nn.Module):
         return None  # n-gram: drafting is a lookup
     like = roofline.target_cost(target.config, dtype_bytes)
-    if deploy and getattr(model, "kind", None) == "eagle3":  # the head spectrain would build for this target
-        return roofline.eagle3_cost(target.config, model.config["draft_vocab_size"], dtype_bytes)
+    deploy_cost = registry.hook(getattr(model, "kind", None), "deploy_cost")
+    if deploy and deploy_cost is not None:  # the head spectrain would build for this target (the family's hook)
+        return deploy_cost(target.config, model.config, dtype_bytes)
     return roofline.module_cost(model, dtype_bytes, like)
 
 
@@ -150,8 +152,8 @@ def _speculation(cell: dict, drafter, cost) -> roofline.Speculation:
     verify = 1 + (tree["total_tokens"] if tree else k)
     if cost is None:
         return roofline.Speculation(cell["tau"], verify)
-    medusa = getattr(getattr(drafter, "model", None), "kind", None) == "medusa"
-    return roofline.Speculation(cell["tau"], verify, cost, 1 if medusa else k, tree["topk"] if tree else 1)
+    one_pass = registry.supports(getattr(getattr(drafter, "model", None), "kind", None), "one_pass")
+    return roofline.Speculation(cell["tau"], verify, cost, 1 if one_pass else k, tree["topk"] if tree else 1)
 
 
 def predict(sweep: dict, target, drafters: dict, deployment: roofline.Accelerator, cpu: roofline.Accelerator) -> None:

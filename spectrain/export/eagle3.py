@@ -45,6 +45,7 @@ from spectrain.export.common import (
     target_info,
     write_json,
 )
+from spectrain.export.serving import Decode, ServeCommand, eagle3_commands
 from spectrain.recipe.deploy import engine_problems, sglang_default_capture, to_layer_outputs
 
 SPECULATORS_VERSION = "0.3.0"  # the speculators config layout followed here; vLLM does not read it
@@ -289,3 +290,17 @@ def validate_sglang_eagle3(out_dir) -> list[str]:
 
 
 FORMAT_VALIDATORS = {"vllm-eagle3": validate_vllm_eagle3, "sglang-eagle3": validate_sglang_eagle3}
+
+
+# ---- the family record's serving hooks (spectrain/registry.py) ------------------------------------------
+
+
+def serve_command(engine: str, target: str, model_dir: str, d: Decode, head: dict) -> ServeCommand:
+    """The engine's command for an EAGLE-3 export: TensorRT-LLM also needs the capture layers (layer outputs)."""
+    capture = to_layer_outputs(sorted(head.get("aux_layers") or [])) or None
+    return eagle3_commands(engine, target, model_dir, d, capture)
+
+
+def serve_k(head: dict, k: int | None) -> int:
+    """Served draft length: --k, else the TTT depth the head was trained for."""
+    return int(head.get("ttt_steps", 3)) if k is None else k

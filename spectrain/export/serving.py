@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from spectrain.recipe.deploy import ENGINE_NAMES, ENGINES, NO_MEDUSA, to_layer_outputs
+from spectrain import registry
+from spectrain.recipe.deploy import ENGINE_NAMES, ENGINES, NO_MEDUSA
 
 __all__ = ["ENGINES", "ENGINE_NAMES", "ServeCommand", "parse_tree", "readme_section", "resolve_decode", "serve_commands"]
 
@@ -66,9 +68,25 @@ ENGINE_FLAGS: dict[str, dict[str, str]] = {
     },
 }
 
-# export format -> the engines that load it
-FORMAT_ENGINES = {"vllm-eagle3": ("vllm",), "sglang-eagle3": ("sglang", "trtllm"), "vllm-medusa": ("vllm",),
-                  "medusa": ("trtllm",), "hf-draft": ("vllm", "sglang", "trtllm")}
+DEFAULT_K = 5  # `spectrain eval`'s default: the draft length served for a family that names none
+
+
+class _FormatEngines(Mapping):
+    """export format -> the engines that load it: a live view of the families' records (``Family.engines``)."""
+
+    def __getitem__(self, fmt: str) -> tuple[str, ...]:
+        if registry.format_family(fmt) is None or fmt not in registry.format_family(fmt).engines:
+            raise KeyError(fmt)
+        return registry.format_engines(fmt)
+
+    def __iter__(self):
+        return iter([fmt for fam in registry.FAMILIES.values() for fmt in fam.engines])
+
+    def __len__(self) -> int:
+        return sum(len(fam.engines) for fam in registry.FAMILIES.values())
+
+
+FORMAT_ENGINES = _FormatEngines()
 
 
 
@@ -223,23 +241,13 @@ def draft_commands(engine: str, target: str, model_dir: str, d: Decode) -> Serve
     return cmd
 
 
-def default_k(kind: str, head: dict) -> int:
-    """The draft length an export serves when --k is not given: what the head was trained for."""
-    if kind == "eagle3":
-        return int(head.get("ttt_steps", 3))
-    if kind == "medusa":
-        return int(head.get("num_heads", 3))
-    return 5  # `spectrain eval`'s default
-
-
 def resolve_decode(head: dict, k: int | None = None, tree: dict | None = None) -> Decode:
     """The decode setting to serve: a tree (k = its depth), else --k, else what the head was trained for."""
-    kind = head.get("kind")
-    k = tree["depth"] if tree is not None else default_k(kind, head) if k is None else k
+    k = tree["depth"] if tree is not None else k
+    family_k = registry.hook(head.get("kind"), "serve_k")  # the family's default and limit (spectrain/registry.py)
+    k = family_k(head, k) if family_k is not None else DEFAULT_K if k is None else k
     if k < 1:
         raise ValueError(f"--k must be >= 1, got {k}")
-    if kind == "medusa" and k > int(head.get("num_heads", k)):
-        raise ValueError(f"--k {k} exceeds this Medusa export's {head['num_heads']} heads: use --k <= {head['num_heads']}")
     return Decode(k, tree)
 
 
@@ -249,7 +257,6 @@ def serve_commands(fmt: str, head: dict, model_dir: str, target: str, d: Decode,
 
     head: the checkpoint's drafter_config.json; model_dir: where the export lands (absolute); target: what the
     engine loads as the target model."""
-    kind = head.get("kind")
     loaders = FORMAT_ENGINES.get(fmt, ())  # () for a format no engine here serves (a family's own format)
     wanted = loaders if not engines else tuple(e for e in loaders if e in engines)
     if engines and not wanted:
@@ -257,14 +264,11 @@ def serve_commands(fmt: str, head: dict, model_dir: str, target: str, d: Decode,
                          f"{', '.join(loaders) or 'no engine spectrain knows'}; pick one of those or another --format")
     target = target or "TARGET"
     out = []
+    serve = registry.hook(head.get("kind"), "serve")  # the family's command builder (spectrain/registry.py)
+    if wanted and serve is None:
+        raise ValueError(f"the {fmt} format names engines but its family declares no `serve` hook")
     for engine in wanted:
-        if kind == "eagle3":
-            capture = to_layer_outputs(sorted(head.get("aux_layers") or [])) or None
-            out.append(eagle3_commands(engine, target, model_dir, d, capture))
-        elif kind == "medusa":
-            out.append(medusa_commands(engine, target, model_dir, d, int(head.get("num_heads", d.k))))
-        else:
-            out.append(draft_commands(engine, target, model_dir, d))
+        out.append(serve(engine, target, model_dir, d, head))
     return out
 
 

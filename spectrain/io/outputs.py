@@ -30,6 +30,7 @@ from pathlib import Path
 
 from spectrain.io.errors import writing
 from spectrain.io.integrity import make_readable, verify
+from spectrain.registry import TRAINING_FREE
 
 # A directory holding one of these belongs to a training run or a checkpoint (pruned / replaced by it).
 RUN_MARKERS = ("drafter_config.json", "trainer_state.json", "run_info.json", "best.json")
@@ -197,7 +198,7 @@ def kind_of(d) -> str | None:
 
 def _local(p) -> Path | None:
     """An input given as a local path (a hub id or '' gives None)."""
-    if not p or str(p) in ("ngram", "none") or str(p).startswith("ngram:"):
+    if not p or str(p) == "none" or str(p).split(":", 1)[0] in TRAINING_FREE:  # a drafter spec, not a path
         return None
     q = Path(str(p)).expanduser()
     return q.resolve() if q.exists() else None

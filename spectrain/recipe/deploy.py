@@ -4,6 +4,8 @@ commands themselves are built in spectrain/export/serving.py."""
 
 from __future__ import annotations
 
+from spectrain import registry
+
 ENGINES = ("vllm", "sglang", "trtllm")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
 NO_MEDUSA = {"vllm": "vLLM 0.33.0 has no Medusa support at all (read from its source)",
@@ -13,13 +15,23 @@ NO_MEDUSA = {"vllm": "vLLM 0.33.0 has no Medusa support at all (read from its so
 def engine_problems(engine: str, kind: str, flags: dict[str, bool], sliding: bool = False, num_layers: int = 1,
                     aux: list[int] | None = None) -> list[str]:
     """Why ``engine`` cannot serve a drafter of ``kind`` with this EAGLE-3 layout ([] = it can). flags: the four
-    layout flags (spectrain/drafters/eagle3/model.py LAYOUT_FLAGS); aux: the head's aux layer ids (layer inputs) if known."""
-    if not engine or kind in ("draft", "ngram"):
-        return []
+    layout flags (spectrain/drafters/eagle3/layout.py LAYOUT_FLAGS); aux: the head's aux layer ids (layer inputs) if
+    known. The family's record says (its ``engine_problems`` hook); a family without one is served by every engine."""
+    problems = registry.hook(kind, "engine_problems") if engine else None
+    return problems(engine, flags, sliding, num_layers, aux) if problems is not None else []
+
+
+def medusa_problems(engine: str, flags: dict[str, bool], sliding: bool = False, num_layers: int = 1,
+                    aux: list[int] | None = None) -> list[str]:
+    """The Medusa family's ``engine_problems`` hook: only TensorRT-LLM computes Medusa heads."""
+    return [f"{NO_MEDUSA[engine]}: serve Medusa heads with TensorRT-LLM or train an EAGLE-3 head"] \
+        if engine in NO_MEDUSA else []
+
+
+def eagle3_problems(engine: str, flags: dict[str, bool], sliding: bool = False, num_layers: int = 1,
+                    aux: list[int] | None = None) -> list[str]:
+    """The EAGLE-3 family's ``engine_problems`` hook: which layouts each engine's EAGLE-3 layer computes."""
     name = ENGINE_NAMES[engine]
-    if kind == "medusa":
-        return [f"{NO_MEDUSA[engine]}: serve Medusa heads with TensorRT-LLM or train an EAGLE-3 head"] \
-            if engine in NO_MEDUSA else []
     on = [k for k, v in flags.items() if v]
     if engine == "vllm":
         bad = [k for k in on if k in ("fc_norm", "norm_output")]

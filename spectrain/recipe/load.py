@@ -156,6 +156,10 @@ def check_draft_layers(init: str, num_layers: int | None = None) -> list[int]:
     return layers
 
 
+def _kinds_with(capability: str) -> str:
+    return "|".join(registry.with_capability(capability)) or "(no family)"
+
+
 def _check_on_policy(op: OnPolicyConfig, dr: DrafterConfig, t: TrainingConfig) -> None:
     _require(0.0 <= op.fraction <= 1.0, f"training.on_policy.fraction={op.fraction} must be in [0, 1] (0 = off)")
     _require(op.temperature >= 0, f"training.on_policy.temperature={op.temperature} must be >= 0 (0 = greedy)")
@@ -163,7 +167,8 @@ def _check_on_policy(op: OnPolicyConfig, dr: DrafterConfig, t: TrainingConfig) -
     _require(op.refresh_every >= 1, f"training.on_policy.refresh_every={op.refresh_every} must be >= 1 "
              "(1 = sample from the current student)")
     if op.fraction > 0:
-        _require(dr.kind == "draft", f"training.on_policy is for drafter.kind=draft (got {dr.kind}); EAGLE-3 heads "
+        _require(registry.supports(dr.kind, "on_policy"), f"training.on_policy is for drafter.kind="
+                 f"{_kinds_with('on_policy')} (got {dr.kind}); EAGLE-3 heads "
                  "roll out with drafter.eagle3.rollout, or set training.on_policy.fraction=0")
         _require(dr.loss != "hard_ce", "training.on_policy with drafter.loss=hard_ce would train the student on its "
                  "own samples; use a divergence from the target (fkl, rkl, jsd, tvd, accept, lk)")
@@ -200,7 +205,8 @@ def validate(r: Recipe) -> Recipe:
              f"training.adam_betas={t.adam_betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
     _require(t.num_threads >= 0, f"training.num_threads={t.num_threads} must be >= 0 (0 = from the CPU affinity)")
     _require(t.keep_checkpoints >= 1, f"training.keep_checkpoints={t.keep_checkpoints} must be >= 1")
-    _require(not t.packing or dr.kind == "eagle3", f"training.packing=true is implemented for drafter.kind=eagle3 "
+    _require(not t.packing or registry.supports(dr.kind, "packing"), "training.packing=true is implemented for "
+             f"drafter.kind={_kinds_with('packing')} "
              f"only (got {dr.kind}); set training.packing=false")
     _check_on_policy(t.on_policy, dr, t)
     e = dr.eagle3
@@ -209,7 +215,8 @@ def validate(r: Recipe) -> Recipe:
     _require(ro.anchors >= 1, f"drafter.eagle3.rollout.anchors={ro.anchors} must be >= 1")
     _require(ro.temperature >= 0, f"drafter.eagle3.rollout.temperature={ro.temperature} must be >= 0 (0 = greedy)")
     if ro.fraction > 0:
-        _require(dr.kind == "eagle3", f"drafter.eagle3.rollout is for drafter.kind=eagle3 (got {dr.kind}); "
+        _require(registry.supports(dr.kind, "rollout"), f"drafter.eagle3.rollout is for drafter.kind="
+                 f"{_kinds_with('rollout')} (got {dr.kind}); "
                  "set drafter.eagle3.rollout.fraction=0")
         _require(e.ttt_steps >= 2, "drafter.eagle3.rollout needs drafter.eagle3.ttt_steps >= 2 (step 0 has no "
                  "draft of its own to feed back)")
@@ -238,10 +245,9 @@ def validate(r: Recipe) -> Recipe:
     _require(bool(_INIT_RE.match(dr.draft.init)),
              f"drafter.draft.init={dr.draft.init!r}: use pretrained, config, or layers:<i>,<j>,... (e.g. layers:0,1)")
     check_draft_layers(dr.draft.init)
-    if dr.kind == "draft":
-        _require(bool(dr.draft.model) or dr.draft.init.startswith("layers:"),
-                 f"drafter.draft.model is empty but init={dr.draft.init}: give a model id/path, "
-                 "or use init=layers:... to take a layer subset of the target")
+    family_checks = registry.hook(dr.kind, "validate")
+    if family_checks is not None:  # the family's own recipe checks (spectrain/registry.py)
+        family_checks(r)
     _require(1 <= dr.ngram.min_n <= dr.ngram.max_n,
              f"drafter.ngram: need 1 <= min_n ({dr.ngram.min_n}) <= max_n ({dr.ngram.max_n})")
     rt = r.tracking.report_to

@@ -35,6 +35,7 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoTokenizer
 
+from spectrain import registry
 from spectrain.data.chat import is_heldout, load_conversations
 from spectrain.io.resources import accelerate_configs, resolve_accelerate_config
 from spectrain.recipe.load import load_recipe
@@ -151,6 +152,8 @@ def _steps_and_eta(recipe, world: int, gpu_name: str, cuda_devices: int) -> tupl
     ds = data_size(recipe, AutoTokenizer.from_pretrained(src, trust_remote_code=trc))
     hw = parse_hardware(f"{world}x{gpu}")
     steps = t.max_steps or t.epochs * (ds.train_rows // t.global_batch_size)
+    if registry.hook(recipe.drafter.kind, "cost") is None:
+        return f"~{steps}", f"n/a (drafter.kind={recipe.drafter.kind} declares no training cost in its registry record)"
     seconds = estimate(recipe, cfg, ds, hw).wall_s
     return f"~{steps}", f"~{seconds / 3600:.1f} h (estimate: {world}x{gpu} at MFU {DEFAULT_MFU}; `spectrain check " \
         f"RECIPE --plan {world}x{gpu}` shows the formula)"

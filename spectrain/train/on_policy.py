@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 from transformers import DynamicCache
 
+from spectrain import registry
 from spectrain.data.dataset import collate
 from spectrain.decoding.sampling import Sampler
 from spectrain.decoding.step import resolve_eos
@@ -174,6 +175,6 @@ class RolloutSteps(OnPolicy):
 def make(recipe, target, pad_id: int) -> OnPolicy | None:
     """The hook for ``training.on_policy`` or ``drafter.eagle3.rollout`` (None when both are off)."""
     op, ro = recipe.training.on_policy, recipe.drafter.eagle3.rollout
-    if recipe.drafter.kind == "eagle3" and ro.fraction > 0:
+    if registry.supports(recipe.drafter.kind, "rollout") and ro.fraction > 0:
         return RolloutSteps(ro, recipe.training.seed, target, pad_id)
     return OnPolicy(op, recipe.training.seed, target, pad_id) if op.fraction > 0 else None

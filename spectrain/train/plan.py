@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from spectrain import registry
 from spectrain.data.chat import is_heldout, load_conversations, tokenize_conversations
 from spectrain.data.features import bytes_per_token
 from spectrain.io.disk import free_bytes, gib, require_disk
@@ -129,27 +130,44 @@ class Drafter:
     n_aux: int  # aux hidden states in the feature cache
 
 
-def drafter_shape(recipe, t: Shape, student=None, seq: float = 0.0) -> Drafter:
-    """The drafter's size, its training FLOPs per token (`seq` = tokens per row, for attention) and memory."""
+def eagle3_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0) -> Drafter:
+    """EAGLE-3: fc + K TTT steps of the draft layers and the draft-vocab lm_head (the record's ``cost`` hook)."""
+    e = recipe.drafter.eagle3
+    layer = t.layer(2, e.intermediate_size, e.num_attention_heads)
+    head, fc = e.draft_vocab_size * t.hidden, 3 * t.hidden * t.hidden
+    p = fc + e.num_layers * layer + head
+    k = e.ttt_steps
+    flops = 6 * fc + k * (6 * (p - fc) + 12 * e.num_layers * t.hidden * seq)
+    return Drafter(p, p - (head if e.freeze_lm_head else 0), flops, 4 * (t.vocab + 2 * k * e.draft_vocab_size),
+                   k * (10 * t.hidden + 3 * (e.intermediate_size or t.inter)) * 2, 3)
+
+
+def medusa_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0) -> Drafter:
+    """Medusa: K heads of ResBlocks + a full-vocab Linear each (the record's ``cost`` hook)."""
+    m = recipe.drafter.medusa
+    p = m.num_heads * (m.num_resblocks * (t.hidden ** 2 + t.hidden) + t.vocab * t.hidden)
+    return Drafter(p, p, 6 * p, 4 * t.vocab * (1 + 2 * m.num_heads), m.num_heads * t.hidden * 8, 0)
+
+
+def draft_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0) -> Drafter:
+    """A draft LM: its own config (``student``), or a layer subset of the target (the record's ``cost`` hook)."""
     d = recipe.drafter
-    if d.kind == "eagle3":
-        e = d.eagle3
-        layer = t.layer(2, e.intermediate_size, e.num_attention_heads)
-        head, fc = e.draft_vocab_size * t.hidden, 3 * t.hidden * t.hidden
-        p = fc + e.num_layers * layer + head
-        k = e.ttt_steps
-        flops = 6 * fc + k * (6 * (p - fc) + 12 * e.num_layers * t.hidden * seq)
-        return Drafter(p, p - (head if e.freeze_lm_head else 0), flops, 4 * (t.vocab + 2 * k * e.draft_vocab_size),
-                       k * (10 * t.hidden + 3 * (e.intermediate_size or t.inter)) * 2, 3)
-    if d.kind == "medusa":
-        m = d.medusa
-        p = m.num_heads * (m.num_resblocks * (t.hidden ** 2 + t.hidden) + t.vocab * t.hidden)
-        return Drafter(p, p, 6 * p, 4 * t.vocab * (1 + 2 * m.num_heads), m.num_heads * t.hidden * 8, 0)
-    s = student or t  # draft LM: its own config, or a layer subset of the target
+    s = student or t
     layers = len(d.draft.init.split(":", 1)[1].split(",")) if d.draft.init.startswith("layers:") else s.layers
     p = layers * s.layer() + s.vocab * s.hidden * (1 if s.tied else 2)
     flops = 6 * (layers * s.layer() + s.vocab * s.hidden) + 12 * layers * s.hidden * seq
     return Drafter(p, p, flops, 4 * 4 * t.vocab, layers * (10 * s.hidden + 3 * s.inter) * 2, 0)
+
+
+def drafter_shape(recipe, t: Shape, student=None, seq: float = 0.0) -> Drafter:
+    """The drafter's size, its training FLOPs per token (`seq` = tokens per row, for attention) and memory:
+    the family's ``cost`` hook (spectrain/registry.py). A family without one has no plan: costing it with
+    another family's formula would print wrong numbers with confidence."""
+    cost = registry.hook(recipe.drafter.kind, "cost")
+    if cost is None:
+        raise ValueError(f"drafter.kind={recipe.drafter.kind}: the family declares no training cost (its "
+                         "registry record's `cost` hook), so there is no plan for it")
+    return cost(recipe, t, student, seq)
 
 
 # ---- disk --------------------------------------------------------------------------------------------

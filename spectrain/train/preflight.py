@@ -3,7 +3,9 @@ every check `train` would run that needs only the recipe, the target's config an
 (the same functions: recipe validation, draft layer ranges, precision, trackers, the feature cache's
 presence ...). A failure is one `FAILED:` line and exit status 2. ``--plan`` adds the cost plan
 (spectrain/train/plan.py: rows, tokens, steps, wall time, GPU-hours, cache and checkpoint sizes against free disk,
-memory per GPU) and fails when the cache or the checkpoints cannot fit the disk.
+memory per GPU) and fails when the cache or the checkpoints cannot fit the disk. A missing offline feature
+cache fails a plain `check`, but not ``--plan``: the plan prints what the cache will need and names the next
+stage (`spectrain prepare-features RECIPE`), so a fresh machine learns the cost before paying it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from spectrain import registry
 from spectrain.data.chat import load_conversations, tokenize_conversations
-from spectrain.recipe.load import check_draft_layers, load_recipe
+from spectrain.recipe.load import load_recipe
 from spectrain.recipe.schema import Recipe
 from spectrain.target.gguf import resolve_target_path, split_gguf
 from spectrain.target.model import looks_local
@@ -56,28 +58,18 @@ def _check_target(r: Recipe):
                          "or add chat_template to its tokenizer_config.json")
     if len(tok) > cfg.vocab_size:
         raise ValueError(f"tokenizer has {len(tok)} tokens but the model's vocab_size is {cfg.vocab_size}")
-    e = r.drafter.eagle3
-    if r.drafter.kind == "eagle3":
-        if e.draft_vocab_size > cfg.vocab_size:
-            raise ValueError(f"drafter.eagle3.draft_vocab_size={e.draft_vocab_size} exceeds the target vocab "
-                             f"({cfg.vocab_size}); set it <= {cfg.vocab_size}")
-        n = cfg.num_hidden_layers
-        bad = [i for i in e.aux_layers if i >= n]
-        if bad:
-            raise ValueError(f"drafter.eagle3.aux_layers {bad} out of range: the target has {n} layers "
-                             f"(ids are layer inputs, 0..{n - 1}; the final output is not an aux layer)")
-    if r.drafter.kind == "draft":
-        check_draft_layers(r.drafter.draft.init, cfg.num_hidden_layers)
-    if r.training.features == "offline" and not (Path(r.training.feature_cache) / "manifest.json").is_file():
-        raise ValueError(f"training.features=offline but training.feature_cache={r.training.feature_cache!r} holds no "
-                         "feature cache (manifest.json): write it with `spectrain prepare-features RECIPE`")
-    if r.drafter.kind == "draft" and r.drafter.draft.model:
-        d = r.drafter.draft.model
-        dtok = AutoTokenizer.from_pretrained(d, trust_remote_code=trc)
-        if dtok.get_vocab() != tok.get_vocab():  # token strings, not just sizes, must agree
-            raise ValueError(f"draft model {d!r} has a different tokenizer vocabulary than the target "
-                             f"({len(dtok)} vs {len(tok)} tokens): a draft must share the target's tokenizer")
+    family_checks = registry.hook(r.drafter.kind, "preflight")
+    if family_checks is not None:  # the family's own checks (spectrain/registry.py): layer ids, vocabularies
+        family_checks(r, cfg, tok)
     return cfg, tok
+
+
+def _missing_cache(r: Recipe) -> str:
+    """Why training cannot start yet for lack of the offline feature cache ("" = it exists, or is not used)."""
+    if r.training.features == "offline" and not (Path(r.training.feature_cache) / "manifest.json").is_file():
+        return (f"training.features=offline but training.feature_cache={r.training.feature_cache!r} holds no "
+                "feature cache (manifest.json): write it with `spectrain prepare-features RECIPE`")
+    return ""
 
 
 def _check_data(r: Recipe, tok) -> list[str]:
@@ -108,11 +100,10 @@ def add_check_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _student_config(r: Recipe):
-    """A draft LM's own config (its size), or None for the other drafters and a layer subset of the target."""
-    if r.drafter.kind != "draft" or not r.drafter.draft.model:
-        return None
-
-    return AutoConfig.from_pretrained(r.drafter.draft.model, trust_remote_code=r.target.trust_remote_code)
+    """A model config of the family's own that its cost reads (a draft LM's), or None (the record's
+    ``cost_config`` hook)."""
+    hook = registry.hook(r.drafter.kind, "cost_config")
+    return hook(r) if hook is not None else None
 
 
 def _plan(r: Recipe, cfg, tok, hardware: str, mfu: float | None) -> list[str]:
@@ -145,13 +136,14 @@ def main(recipe_path: str, overrides: list[str], plan: str | None = None, mfu: f
         check_trackers(r)
 
         check_run_dir(r)  # output_dir: never /, home, an input, a user's directory (spectrain/io/outputs.py)
-        if r.drafter.kind == "ngram":
-            print("note: drafter.kind=ngram is training-free: `spectrain train` refuses it; evaluate it with "
-                  "`spectrain eval --drafter ngram`")
+        kind = r.drafter.kind
+        if kind in registry.TRAINING_FREE:
+            print(f"note: drafter.kind={kind} is training-free: `spectrain train` refuses it; evaluate it with "
+                  f"`spectrain eval --drafter {kind}`")
         cfg, tok = _check_target(r)
-        family = registry.FAMILIES.get(r.drafter.kind)
-        if family is not None and family.preflight:  # the family's own checks (spectrain/registry.py)
-            registry.resolve(family.preflight)(r, cfg)
+        missing = _missing_cache(r)
+        if missing and plan is None:
+            raise ValueError(missing)
         data_lines = _check_data(r, tok)
         plan_lines = _plan(r, cfg, tok, plan, mfu) if plan is not None else []
     except (ValueError, OSError) as e:
@@ -165,4 +157,8 @@ def main(recipe_path: str, overrides: list[str], plan: str | None = None, mfu: f
     print(f"OK recipe {recipe_path} ({r.drafter.kind}, loss {r.drafter.loss}) -> {r.output_dir}")
     for line in plan_lines:
         print(line)
+    if missing:  # --plan: the plan is what says how large the cache will be, so it comes before paying for it
+        print(f"NEXT: the feature cache {r.training.feature_cache} does not exist yet (its size is in the plan "
+              f"above): write it with `spectrain prepare-features {recipe_path}`, then `spectrain train "
+              f"{recipe_path}`")
     return 0

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spectrain import registry
 from spectrain.io.outputs import (
     MARKER,
     append_text_safe,
@@ -131,9 +132,8 @@ def run_inputs(recipe) -> list[tuple[str, str]]:
     own = Path(recipe.output_dir).expanduser().resolve()
     if t.resume_from and t.resume_from != "auto" and Path(t.resume_from).expanduser().resolve().parent != own:
         out.append(("checkpoint (training.resume_from)", t.resume_from))  # one of this run's own: resume's rules
-    if recipe.drafter.kind == "draft" and recipe.drafter.draft.model:
-        out.append(("draft model", recipe.drafter.draft.model))
-    return out
+    extra = registry.hook(recipe.drafter.kind, "run_inputs")  # a family's own inputs, e.g. a draft model
+    return out + (extra(recipe) if extra is not None else [])
 
 
 def check_run_dir(recipe) -> Path:

@@ -8,6 +8,7 @@ import torch
 
 from spectrain.data.dataset import collate
 from spectrain.data.features import FeatureCache, _pad_id
+from spectrain.registry import FeatureSpec
 
 
 class OnlineSource:
@@ -15,15 +16,15 @@ class OnlineSource:
 
     def __init__(self, rows, target, pad_id: int, device):
         self.rows, self.target, self.pad_id, self.device = rows, target, pad_id, device
-        self.spec: dict = {}
+        self.spec = FeatureSpec()
         lengths = getattr(rows, "lengths", None)
         self.lengths = lengths.tolist() if lengths is not None else [len(r["input_ids"]) for r in rows]
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def bind(self, spec: dict) -> None:
-        self.spec = spec
+    def bind(self, spec: FeatureSpec | dict) -> None:
+        self.spec = FeatureSpec.of(spec)
 
     def token_rows(self, indices: list[int]) -> list[dict]:
         return [self.rows[i] for i in indices]
@@ -33,17 +34,17 @@ class OnlineSource:
         return batch, target_features(self.target, batch, self.spec)
 
 
-def target_features(target, batch: dict, spec: dict) -> dict:
+def target_features(target, batch: dict, spec: FeatureSpec | dict) -> dict:
     """The frozen target's features of a collated batch that a drafter's ``feature_spec`` asks for (no grad)."""
-    out = target.forward(batch["input_ids"], batch["attention_mask"], aux_layers=spec.get("aux_layers", ()),
-                         want_last_hidden=spec.get("want_last_hidden", False),
-                         want_final_hidden=spec.get("want_final_hidden", False), want_logits=False)
+    spec = FeatureSpec.of(spec)
+    out = target.forward(batch["input_ids"], batch["attention_mask"], aux_layers=list(spec.aux_layers),
+                         want_last_hidden=spec.last_hidden, want_final_hidden=spec.final_hidden, want_logits=False)
     feats = {}
     if out.aux_hidden:
         feats["aux"] = torch.cat(out.aux_hidden, -1)
     if out.last_hidden is not None:
         feats["last_hidden"] = out.last_hidden
-    if spec.get("want_final_hidden"):
+    if spec.final_hidden:
         feats["final_hidden"] = out.final_hidden
     return feats
 

@@ -9,7 +9,8 @@ from spectrain.decoding.interface import DraftContext, Drafter, Proposal
 from spectrain.drafters.eagle3.batch import BatchedEagle3
 from spectrain.drafters.eagle3.layout import window_keep
 from spectrain.drafters.eagle3.model import Eagle3Drafter
-from spectrain.drafters.eagle3.tree import select_nodes
+from spectrain.drafters.eagle3.tree import DraftTree, select_nodes
+from spectrain.registry import FeatureSpec
 
 
 def attend_masked(q, k, v, mask):
@@ -33,6 +34,9 @@ class Eagle3Proposer(Drafter):
         self.aux_layers = list(model.aux_layers)
         self.begin(None)
 
+    def features(self) -> FeatureSpec:
+        return self.model.feature_spec()  # the head's own spec: its aux layers (and the teacher's last hidden)
+
     def begin(self, prompt: torch.Tensor | None) -> None:
         self.cache = self._empty()  # per layer (K, V) [1, heads, n, head_dim], keys already rotated
         self.n = 0  # committed positions whose step-0 entry is cached
@@ -51,10 +55,10 @@ class Eagle3Proposer(Drafter):
         """One step for m rows attending to cache + temp + themselves (mask [m, n + n_temp + m]); the first
         ``committed`` columns are committed positions 0.., which sliding layers window around ``anchors`` [m].
         Returns (layer output [1,m,H], logits [m,D] fp32, the rows' new per-layer K/V)."""
-        h, logits, new = self._run_rows(self.cache, emb[None], hidden, positions[None], mask, temp, anchors, committed)
+        h, logits, new = self.run_rows(self.cache, emb[None], hidden, positions[None], mask, temp, anchors, committed)
         return h, logits[0], new
 
-    def _run_rows(self, cache, emb, hidden, positions, mask, temp, anchors=None, committed: int = 0):
+    def run_rows(self, cache, emb, hidden, positions, mask, temp, anchors=None, committed: int = 0):
         """Batched step: emb/hidden [B,m,H], positions [B,m], mask broadcastable to [B, heads, m, cache +
         temp + m]; cache/temp per layer (K, V) [B, heads, n, dim]. Returns ([B,m,H], [B,m,D] fp32, new K/V).
         ``anchors``/``committed``: see _run (one row only; batched decoding refuses short windows)."""
@@ -96,7 +100,7 @@ class Eagle3Proposer(Drafter):
         self._batch.keep_rows(idx)
 
     @staticmethod
-    def _append(kv, new):
+    def append_kv(kv, new):
         return [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(kv, new)]
 
     def _ingest(self, ctx: DraftContext) -> None:
@@ -114,7 +118,7 @@ class Eagle3Proposer(Drafter):
             n_new = len(f)
             if f.start + n_new > total - 1:
                 raise ValueError(f"features reach position {f.start + n_new - 1} but the last committed token "
-                                 f"is at {total - 1}; features must lag the tokens by one (base.py contract)")
+                                 f"is at {total - 1}; features must lag the tokens by one (spectrain/decoding/interface.py contract)")
             m = self.model
             emb = self.target.embed(ctx.tokens[f.start + 1: f.start + 1 + n_new])
             hidden = m.fuse(f.aux)[None]
@@ -122,7 +126,7 @@ class Eagle3Proposer(Drafter):
             causal = torch.ones(n_new, n_new, dtype=torch.bool, device=hidden.device).tril()
             mask = torch.cat([causal.new_ones(n_new, self.n), causal], 1)
             h, logits, new = self._run(emb, hidden, pos, mask, self._empty(), pos, self.n + n_new)
-            self.cache = self._append(self.cache, new)
+            self.cache = self.append_kv(self.cache, new)
             self.n = f.start + n_new
             self.root_hidden, self.root_logits = h[:, -1:], logits[-1]
         if self.n != total - 1 or self.root_logits is None:
@@ -135,7 +139,7 @@ class Eagle3Proposer(Drafter):
         full[self.model.draft_ids] = logits
         return full
 
-    def _children(self, logits, n: int, sampler):
+    def children(self, logits, n: int, sampler):
         """n children of one node: (target ids [n], log q [n], q row [V] or None)."""
         if sampler.greedy:
             top = logits.log_softmax(-1).topk(min(n, logits.numel()))
@@ -156,7 +160,7 @@ class Eagle3Proposer(Drafter):
         h, logits, temp = self.root_hidden, self.root_logits, self._empty()
         toks, qs = [], []
         for j in range(ctx.k):
-            tok, _, q = self._children(logits, 1, ctx.sampler)
+            tok, _, q = self.children(logits, 1, ctx.sampler)
             toks.append(tok)
             qs.append(q)
             if j == ctx.k - 1:
@@ -165,7 +169,7 @@ class Eagle3Proposer(Drafter):
             mask = torch.ones(1, self.n + j + 1, dtype=torch.bool, device=h.device)
             pos = torch.tensor([self.n + j], device=h.device)
             h, lg, new = self._run(self.target.embed(tok), h, pos, mask, temp, pos.new_full((1,), self.n - 1), self.n)
-            temp, logits = self._append(temp, new), lg[0]
+            temp, logits = self.append_kv(temp, new), lg[0]
         tokens = torch.cat(toks) if toks else torch.zeros(0, dtype=torch.long, device=self.root_logits.device)
         probs = None if ctx.sampler.greedy or not qs else torch.stack(qs)
         return Proposal(tokens=tokens.long(), probs=probs)
@@ -177,48 +181,20 @@ class Eagle3Proposer(Drafter):
         opts, sampler = ctx.tree, ctx.sampler
         topk, total = int(opts.get("topk", 4)), int(opts.get("total_tokens", 32))
         dev = self.root_logits.device
-        tok, lq, q = self._children(self.root_logits, topk, sampler)
-        node_tok, node_par, node_score, node_depth, node_q = list(tok), [-1] * len(tok), list(lq), [1] * len(tok), \
-            [q] * len(tok)
-        fwd_of: dict[int, int] = {}  # node -> row in temp K/V
-        fwd_hidden, fwd_anc = [], []  # per forwarded row: layer output, ancestor rows (incl. itself)
-        temp, layer = self._empty(), list(range(len(tok)))
+        tree = DraftTree.root(*self.children(self.root_logits, topk, sampler))
+        temp = self._empty()
         for d in range(2, ctx.k + 1):
-            expand = sorted(layer, key=lambda i: -float(node_score[i]))[:topk]
-            m, base = len(expand), len(fwd_hidden)
-            anc = torch.zeros(m, base, dtype=torch.bool, device=dev)
-            hid = []
-            for r, i in enumerate(expand):
-                p = node_par[i]
-                if p >= 0:
-                    anc[r, : fwd_anc[fwd_of[p]].numel()] = fwd_anc[fwd_of[p]]
-                hid.append(self.root_hidden[0, 0] if p < 0 else fwd_hidden[fwd_of[p]])
+            expand = tree.to_expand(topk)
+            m = len(expand)
+            anc = torch.zeros(m, len(tree.hid), dtype=torch.bool, device=dev)
+            hid, toks = tree.inputs(expand, self.root_hidden[0, 0], anc)
             mask = torch.cat([anc.new_ones(m, self.n), anc, torch.eye(m, dtype=torch.bool, device=dev)], 1)
             pos = torch.full((m,), self.n + d - 2, device=dev)
-            h, lg, new = self._run(self.target.embed(torch.stack([node_tok[i] for i in expand])),
-                                   torch.stack(hid)[None], pos, mask, temp, pos.new_full((m,), self.n - 1), self.n)
-            temp, layer = self._append(temp, new), []
-            for r, i in enumerate(expand):
-                fwd_of[i] = base + r
-                fwd_hidden.append(h[0, r])
-                row = torch.zeros(base + m, dtype=torch.bool, device=dev)
-                row[: anc.shape[1]] = anc[r]
-                row[base + r] = True
-                fwd_anc.append(row)
-                tok, lq, q = self._children(lg[r], topk, sampler)
-                layer += range(len(node_tok), len(node_tok) + len(tok))
-                node_tok += list(tok)
-                node_par += [i] * len(tok)
-                node_score += list(node_score[i] + lq)
-                node_depth += [d] * len(tok)
-                node_q += [q] * len(tok)
-        keep = self._select(node_par, [float(s) for s in node_score], node_depth, total, sampler.greedy)
-        order = sorted(keep, key=lambda i: (node_depth[i], i))  # parents before children
-        new_index = {old: new for new, old in enumerate(order)}
-        parents = torch.tensor([-1 if node_par[i] < 0 else new_index[node_par[i]] for i in order], device=dev)
-        tokens = torch.stack([node_tok[i] for i in order]).long()
-        probs = None if sampler.greedy else torch.stack([node_q[i] for i in order])
-        return Proposal(tokens=tokens, parents=parents, probs=probs)
+            h, lg, new = self._run(self.target.embed(torch.stack(toks)), torch.stack(hid)[None], pos, mask, temp,
+                                   pos.new_full((m,), self.n - 1), self.n)
+            temp = self.append_kv(temp, new)
+            tree.grow(expand, d, h[0], anc, lambda j, lg=lg: self.children(lg[j], topk, sampler))
+        return tree.proposal(total, sampler.greedy, dev, self._select)
 
     _select = staticmethod(select_nodes)  # the EAGLE-2 rule (tree.py); tests swap it per instance
 

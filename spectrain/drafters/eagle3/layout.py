@@ -8,6 +8,8 @@ import warnings
 import torch
 from transformers import LlamaConfig
 
+from spectrain.registry import FeatureSpec
+
 
 def build_draft_vocab(token_counts: torch.Tensor | None, draft_vocab_size: int,
                       vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,3 +109,26 @@ def sort_aux(cfg: dict, state: dict[str, torch.Tensor], what: str) -> tuple[dict
 def window_keep(anchors: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
     """[m, n_keys]: committed key j is within ``window`` of the row's anchor position (j <= anchor is the mask's job)."""
     return (anchors[:, None] - torch.arange(n_keys, device=anchors.device)[None, :]) < window
+
+
+# ---- the family record's hooks (spectrain/registry.py) -------------------------------------------------
+
+
+def features_for(recipe, target) -> FeatureSpec:
+    """The target features a recipe's EAGLE-3 head reads: its aux layers (the recipe's, else the EAGLE
+    convention for this target) and the last hidden state (teacher logits)."""
+    aux = target.validate_aux_layers(list(recipe.drafter.eagle3.aux_layers) or target.default_aux_layers())
+    return FeatureSpec(tuple(aux), last_hidden=True)
+
+
+def preflight(recipe, cfg, tok) -> None:
+    """Before any compute: the draft vocabulary fits the target's, the aux layers exist in it."""
+    e = recipe.drafter.eagle3
+    if e.draft_vocab_size > cfg.vocab_size:
+        raise ValueError(f"drafter.eagle3.draft_vocab_size={e.draft_vocab_size} exceeds the target vocab "
+                         f"({cfg.vocab_size}); set it <= {cfg.vocab_size}")
+    n = cfg.num_hidden_layers
+    bad = [i for i in e.aux_layers if i >= n]
+    if bad:
+        raise ValueError(f"drafter.eagle3.aux_layers {bad} out of range: the target has {n} layers "
+                         f"(ids are layer inputs, 0..{n - 1}; the final output is not an aux layer)")

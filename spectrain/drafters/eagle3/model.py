@@ -53,6 +53,7 @@ from spectrain.drafters.eagle3.layout import (
 from spectrain.drafters.eagle3.rollout import Rollout
 from spectrain.drafters.head_io import WEIGHTS_NAME, check_state, read_head_config, save_head
 from spectrain.drafters.losses import drafter_loss, hard_ce, sim_tau
+from spectrain.registry import FeatureSpec
 from spectrain.target.fingerprint import target_fingerprint
 
 
@@ -225,8 +226,8 @@ class Eagle3Drafter(nn.Module):
                 raise ValueError(f"drafter.eagle3.lm_head_init=target_with_norm: the target's final norm "
                                  f"({type(target.norm).__name__}) is not an RMSNorm x * w; use lm_head_init=target")
 
-    def feature_spec(self) -> dict:
-        return {"aux_layers": list(self.aux_layers), "want_last_hidden": True}
+    def feature_spec(self) -> FeatureSpec:
+        return FeatureSpec(tuple(self.aux_layers), last_hidden=True)
 
     @property
     def draft_ids(self) -> torch.Tensor:
