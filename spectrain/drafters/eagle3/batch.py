@@ -1,6 +1,6 @@
 """EAGLE-3 for batched decoding: every row's head cache in one tensor, one head forward per draft step.
 
-The single-sequence adapter (``Eagle3Proposer`` in eagle3.py) keeps, per layer, the step-0 K/V of
+The single-sequence adapter (``Eagle3Proposer`` in decode.py) keeps, per layer, the step-0 K/V of
 every committed position. Here those caches are stacked into ``[B, heads, S, dim]`` with
 ``slot_pos[b, s]`` = the position held by slot s of row b, or -1 for a hole (the same layout as the
 target cache in spectrain/decoding/batched.py). Per step:
@@ -9,7 +9,7 @@ target cache in spectrain/decoding/batched.py). Per step:
   longest and run in one forward; padded rows become holes;
 - chains: all rows draft together, one forward per depth, each row attending to its own valid
   cache + its drafted tokens (drafted K/V stay temporary, as in the single-sequence adapter);
-- trees: the single-sequence EAGLE-2 dynamic tree for every row at once: each row expands its own
+- trees: the EAGLE-2 dynamic tree of tree.py for every row at once: each row expands its own
   best nodes, all rows' expanded nodes share one forward per depth.
 
 Per row, the attention sees exactly the single-sequence keys; only rounding differs, which changes
@@ -22,7 +22,7 @@ import torch
 
 from spectrain.decoding.interface import DraftContext, Proposal
 from spectrain.decoding.kv_cache import compact_order, gather_slots
-from spectrain.drafters.eagle3.tree import select_nodes
+from spectrain.drafters.eagle3.tree import DraftTree
 
 
 class BatchedEagle3:
@@ -56,7 +56,7 @@ class BatchedEagle3:
                 if f.start != self.n[b] or f.start + m != ctx.tokens.numel() - 1:
                     raise ValueError(f"EAGLE-3 row {b}: features for positions {f.start}..{f.start + m - 1} do not "
                                      f"continue the {self.n[b]} cached ones up to the newest committed token "
-                                     "(base.py contract: consecutive, lagging the tokens by one)")
+                                     "(spectrain/decoding/interface.py contract: consecutive, lagging the tokens by one)")
             counts.append(m)
         return counts
 
@@ -82,7 +82,7 @@ class BatchedEagle3:
         past = (self.slot_pos >= 0)[:, None, :] & real[:, :, None]
         mask = torch.cat([past, new_mask], -1)[:, None]
         h, logits, new = self._run(self.p.target.embed(ids), model.fuse(aux), pos, mask, self._empty(B))
-        self.cache = self.p._append(self.cache, new)
+        self.cache = self.p.append_kv(self.cache, new)
         self.slot_pos = torch.cat([self.slot_pos, torch.where(real, pos, -1)], 1)
         for b, c in enumerate(counts):
             if c:
@@ -99,7 +99,7 @@ class BatchedEagle3:
         return [(z, z) for _ in self.cache]
 
     def _run(self, emb, hidden, pos, mask, temp):
-        return self.p._run_rows(self.cache, emb, hidden, pos, mask, temp)
+        return self.p.run_rows(self.cache, emb, hidden, pos, mask, temp)
 
     # ---- proposing -----------------------------------------------------------------------------
     def propose(self, ctxs: list[DraftContext | None]) -> list[Proposal | None]:
@@ -125,8 +125,8 @@ class BatchedEagle3:
         return out
 
     def _trees(self, ctxs: list[DraftContext], rows: list[int]) -> list[Proposal]:
-        """``Eagle3Proposer._tree`` for every row at once: per depth each row expands its own `topk` best
-        nodes, and all rows' expanded nodes go through one head forward (same shapes in every row)."""
+        """The single-row EAGLE-2 tree (tree.DraftTree) for every row at once: per depth each row expands its own
+        `topk` best nodes, and all rows' expanded nodes go through one head forward (same shapes in every row)."""
         p, dev = self.p, self.slot_pos.device
         opts, sampler, k = ctxs[0].tree, ctxs[0].sampler, ctxs[0].k
         topk, total = int(opts.get("topk", 4)), int(opts.get("total_tokens", 32))
@@ -135,58 +135,26 @@ class BatchedEagle3:
         valid = self.slot_pos.index_select(0, idx) >= 0
         root_h = self.root_h.index_select(0, idx)
         n = torch.tensor([self.n[b] for b in rows], device=dev)
-        trees = []
-        for b in rows:
-            tok, lq, q = p._children(self.root_logits[b], topk, sampler)
-            trees.append(dict(tok=list(tok), par=[-1] * len(tok), score=list(lq), depth=[1] * len(tok),
-                              q=[q] * len(tok), fwd_of={}, hid=[], anc=[], layer=list(range(len(tok)))))
+        trees = [DraftTree.root(*p.children(self.root_logits[b], topk, sampler)) for b in rows]
         temp = self._empty(len(rows))
         for d in range(2, k + 1):
-            expand = [sorted(t["layer"], key=lambda i, t=t: -float(t["score"][i]))[:topk] for t in trees]
-            m, base = len(expand[0]), len(trees[0]["hid"])
-            anc = torch.zeros(len(rows), m, base, dtype=torch.bool, device=dev)
+            expand = [t.to_expand(topk) for t in trees]
+            m = len(expand[0])
+            anc = torch.zeros(len(rows), m, len(trees[0].hid), dtype=torch.bool, device=dev)
             hid, toks = [], []
             for r, (t, ex) in enumerate(zip(trees, expand)):
-                for j, i in enumerate(ex):
-                    par = t["par"][i]
-                    if par >= 0:
-                        a = t["anc"][t["fwd_of"][par]]
-                        anc[r, j, : a.numel()] = a
-                    hid.append(root_h[r] if par < 0 else t["hid"][t["fwd_of"][par]])
-                    toks.append(t["tok"][i])
+                row_hid, row_toks = t.inputs(ex, root_h[r], anc[r])
+                hid += row_hid
+                toks += row_toks
             eye = torch.eye(m, dtype=torch.bool, device=dev).expand(len(rows), m, m)
             mask = torch.cat([valid[:, None, :].expand(-1, m, -1), anc, eye], 2)[:, None]
-            h, lg, new = p._run_rows(cache, p.target.embed(torch.stack(toks)).view(len(rows), m, -1),
-                                     torch.stack(hid).view(len(rows), m, -1), (n + d - 2)[:, None].expand(-1, m),
-                                     mask, temp)
-            temp = p._append(temp, new)
+            h, lg, new = p.run_rows(cache, p.target.embed(torch.stack(toks)).view(len(rows), m, -1),
+                                    torch.stack(hid).view(len(rows), m, -1), (n + d - 2)[:, None].expand(-1, m),
+                                    mask, temp)
+            temp = p.append_kv(temp, new)
             for r, (t, ex) in enumerate(zip(trees, expand)):
-                t["layer"] = []
-                for j, i in enumerate(ex):
-                    t["fwd_of"][i] = base + j
-                    t["hid"].append(h[r, j])
-                    row = torch.zeros(base + m, dtype=torch.bool, device=dev)
-                    row[:base], row[base + j] = anc[r, j], True
-                    t["anc"].append(row)
-                    tok, lq, q = p._children(lg[r, j], topk, sampler)
-                    t["layer"] += range(len(t["tok"]), len(t["tok"]) + len(tok))
-                    t["tok"] += list(tok)
-                    t["par"] += [i] * len(tok)
-                    t["score"] += list(t["score"][i] + lq)
-                    t["depth"] += [d] * len(tok)
-                    t["q"] += [q] * len(tok)
-        return [self._finish(t, total, sampler, dev) for t in trees]
-
-    @staticmethod
-    def _finish(t: dict, total: int, sampler, dev) -> Proposal:
-        """The kept nodes (tree.select_nodes) as a Proposal, parents before children."""
-        keep = select_nodes(t["par"], [float(x) for x in t["score"]], t["depth"], total, sampler.greedy)
-        order = sorted(keep, key=lambda i: (t["depth"][i], i))
-        new_index = {old: new for new, old in enumerate(order)}
-        parents = torch.tensor([-1 if t["par"][i] < 0 else new_index[t["par"][i]] for i in order], device=dev)
-        tokens = torch.stack([t["tok"][i] for i in order]).long()
-        probs = None if sampler.greedy else torch.stack([t["q"][i] for i in order])
-        return Proposal(tokens=tokens, parents=parents, probs=probs)
+                t.grow(ex, d, h[r], anc[r], lambda j, r=r, lg=lg: p.children(lg[r, j], topk, sampler))
+        return [t.proposal(total, sampler.greedy, dev) for t in trees]
 
     def _chains(self, ctxs: list[DraftContext], rows: list[int]) -> list[Proposal]:
         """Chains for `rows`, one head forward per depth for all of them."""
@@ -199,22 +167,22 @@ class BatchedEagle3:
         n = torch.tensor([self.n[b] for b in rows], device=dev)
         temp, toks, qs = self._empty(len(rows)), [], []
         for j in range(kmax):
-            tok, q = self._children(logits, sampler)
+            tok, q = self._next_tokens(logits, sampler)
             toks.append(tok)
             qs.append(q)
             if j == kmax - 1:
                 break
             # drafted token j+1 sits at position n + j and sees the row's valid cache + drafted 0..j
             mask = torch.cat([valid, valid.new_ones(len(rows), j + 1)], 1)[:, None, None]
-            h, lg, new = self.p._run_rows(cache, self.p.target.embed(tok)[:, None], h, (n + j)[:, None], mask, temp)
-            temp, logits = self.p._append(temp, new), lg[:, 0]
+            h, lg, new = self.p.run_rows(cache, self.p.target.embed(tok)[:, None], h, (n + j)[:, None], mask, temp)
+            temp, logits = self.p.append_kv(temp, new), lg[:, 0]
         tokens = torch.stack(toks, 1).long()
         probs = None if sampler.greedy else torch.stack(qs, 1)
         return [Proposal(tokens=tokens[r, : c.k], probs=None if probs is None else probs[r, : c.k])
                 for r, c in enumerate(ctxs)]
 
-    def _children(self, logits: torch.Tensor, sampler):
-        """One child per row: (target ids [R], q rows [R, V] or None when greedy)."""
+    def _next_tokens(self, logits: torch.Tensor, sampler):
+        """A chain's next token per row: (target ids [R], q rows [R, V] or None when greedy)."""
         ids = self.p.model.draft_ids
         if sampler.greedy:
             return ids[logits.argmax(-1)], None
