@@ -81,14 +81,15 @@ def test_plan_for_the_8b_recipe(monkeypatch):
 
 
 def test_check_plan_prints_and_refuses_a_cache_that_does_not_fit(monkeypatch, capsys, tmp_path):
-    small = ["data.max_rows=600"]  # keeps the row count and the sample quick
+    small = ["data.max_rows=600", "training.micro_batch_size=1"]  # quick; global 8 splits over 8 GPUs
     assert check.main("tiny/eagle3", [f"output_dir={tmp_path / 'run'}", *small], plan="8xH100") == 0
     out = capsys.readouterr().out
     for key in ("plan for 8xH100", "train +", "optimizer steps", "wall time", "GPU-hours", "feature cache",
                 "checkpoints:", "memory per GPU"):
         assert key in out
     _free(monkeypatch, 2**30)  # 1 GiB free: the tiny cache (~2.8 GiB) cannot fit
-    offline = ["training.features=offline", f"training.feature_cache={tmp_path / 'cache'}", "data.max_rows=12000"]
+    offline = ["training.features=offline", f"training.feature_cache={tmp_path / 'cache'}", "data.max_rows=12000",
+               "training.micro_batch_size=1"]
     monkeypatch.setattr(check, "_check_target", lambda r: (_tiny_cfg(), _ref_tok()))  # no cache yet: skip that check
     assert check.main("tiny/eagle3", offline, plan="8xH100") == 2
     err = capsys.readouterr().err

@@ -194,7 +194,7 @@ class ChatClient:
 
     def _refuse(self, url: str, status: int, headers: dict, data: bytes) -> None:
         """Raise for a status retrying cannot fix: a setup error stops the run, another 4xx skips the row."""
-        detail = _printable(data.decode("utf-8", "replace"))[:160]
+        detail = _printable(data[:400].decode("utf-8", "replace"))[:160]
         if 300 <= status < 400:
             raise ServerConfigError(f"{url} answered HTTP {status}, a redirect to "
                                     f"{_printable(headers.get('location', '(none)'))[:200]!r}: spectrain follows "
