@@ -2,6 +2,8 @@
 
     python scripts/bf16_divergence.py                                   # reference target, ngram k=5, 24 prompts
     python scripts/bf16_divergence.py --drafter runs/tiny-eagle3/best --k 3 --max-new-tokens 64
+    python scripts/bf16_divergence.py --target ~/.cache/spectrain/gguf/SmolLM2-135M-Instruct.Q4_1-<sha> --n 4 \
+        --max-new-tokens 48 --settings "bf16, fp32 logits" "bf16, bf16 logits"      # SmolLM2 (its dequantized cache)
 
 For each setting (bf16 target with fp32 norm + lm_head, bf16 target with its own bf16 logits, fp32 target) it
 decodes the same prompts plainly, speculatively one row at a time, and speculatively in batches of --batch-size
@@ -58,6 +60,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
+                    help="which target settings to run (default: all three)")
     args = ap.parse_args()
     tok = load_target(args.target, dtype="float32").tokenizer
     prompts = [ids for s in args.sets for ids in encode_prompts(load_prompt_set(s), tok, args.n, 1024)]
@@ -65,8 +69,8 @@ def main() -> None:
     print(f"{len(prompts)} prompts ({', '.join(args.sets)}), {args.max_new_tokens} tokens, T = 0, drafter "
           f"{args.drafter} k = {args.k}, batched B = {args.batch_size}\n")
     print("| target | loop | identical | near-tie | FAIL | near-tie margins | tau |\n|---|---|---|---|---|---|---|")
-    for name, (dtype, fp32_logits) in SETTINGS.items():
-        res = run(args, dtype, fp32_logits, prompts)
+    for name in args.settings:
+        res = run(args, *SETTINGS[name], prompts)
         for loop_name in ("single", "batched"):
             r = res[loop_name]
             print(f"| {name} | {loop_name} | {r['identical']}/{r['n']} | {r['near_tie']} | {r['fail']} "
