@@ -190,3 +190,44 @@ def test_the_layout_page_is_generated_from_the_tree():
     r = subprocess.run([sys.executable, str(PKG.parent / "scripts" / "gen_layout.py"), "--check"], capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stderr
+
+
+# Files of other projects that docstrings and docs name (checked against their sources, not this tree).
+EXTERNAL_FILES = {
+    "convert_hf_to_gguf.py": "llama.cpp's converter",
+    "server_args.py": "SGLang's server arguments",
+    "llama_eagle3.py": "vLLM's and SGLang's EAGLE-3 model files",
+    "export_spectrain_rows.py": "../shared/anchors/speculators_cpu",
+    "make_offline_from_rows.py": "../shared/anchors/speculators_cpu",
+}
+EXTERNAL_TREES = ("vllm/", "sglang/", "tensorrt_llm/", "transformers/", "speculators/", "conversion/")
+
+
+def test_bare_and_relative_py_names_point_at_files_that_exist():
+    """A file name in a docstring, comment or doc page (``loop.py``, ``drafters/base.py``) names a file that
+    exists: a bare name in a module lives in the module's own folder; in the docs, anywhere in the repository;
+    a relative path is the end of a real path. Names of other projects' files are listed above; the layout
+    page's old -> new table names old paths on purpose."""
+    import re
+
+    repo = PKG.parent
+    files = [p.relative_to(repo).as_posix() for p in repo.rglob("*.py") if ".git" not in p.parts]
+    names = {Path(f).name for f in files}
+    pat = re.compile(r"(?<![\w/.\-:])((?:[\w.\-]+/)*[A-Za-z_]\w*\.py)\b")
+    stale = []
+    for page in [repo / "README.md", *(repo / "docs").glob("*.md"), *PKG.rglob("*.py")]:
+        text = page.read_text()
+        if page.name == "layout.md":
+            text = text.split("## Old path -> new path")[0]
+        for ref in sorted(set(pat.findall(text))):
+            if ref.startswith(("spectrain/", *EXTERNAL_TREES)) or ref in EXTERNAL_FILES:
+                continue  # spectrain/... paths: test_the_docs_name_every_module_and_only_modules_that_exist
+            if "/" in ref:
+                ok = any(f == ref or f.endswith("/" + ref) for f in files)
+            elif page.suffix == ".py":
+                ok = (page.parent / ref).is_file()
+            else:
+                ok = ref in names
+            if not ok:
+                stale.append(f"{page.relative_to(repo)} names {ref}")
+    assert not stale, "stale file names (the file moved or never existed):\n" + "\n".join(stale)

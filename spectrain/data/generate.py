@@ -10,13 +10,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from spectrain.data.regen_server import (
     REASONING_MODES,
     _row_seed,
     apply_reasoning,
 )
+from spectrain.decoding.left_padded import left_padded_decode
 from spectrain.decoding.sampling import Sampler
 from spectrain.decoding.step import resolve_eos
 
@@ -99,23 +99,16 @@ def _takes_logits_to_keep(model_cls: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
 
 
-@torch.no_grad()
 def generate_batch(target, prompts: list[list[int]], seeds: list[int], max_new: int, temperature: float,
                    stop: set[int]) -> list[tuple[list[int], bool]]:
     """Left-padded KV-cached decoding -> per prompt (answer ids without the stop token, truncated?)."""
-    dev, b, n = target.device, len(prompts), max(len(p) for p in prompts)
+    dev, b = target.device, len(prompts)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    ids = torch.full((b, n), pad, dtype=torch.long)
-    attn = torch.zeros((b, n), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, n - len(p):], attn[i, n - len(p):] = torch.tensor(p), 1
-    ids, attn = ids.to(dev), attn.to(dev)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
     sampler = Sampler(temperature=temperature)  # the one warp the decoder uses
     gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
-    cache, out, done, stopped = DynamicCache(), [[] for _ in prompts], [False] * b, [False] * b
-    for _ in range(max_new):
-        logits = _last_logits(target, ids, attn, pos, cache)
+    out, done, stopped = [[] for _ in prompts], [False] * b, [False] * b
+
+    def pick(logits):
         if sampler.greedy:
             nxt = logits.argmax(-1).tolist()
         else:
@@ -129,11 +122,9 @@ def generate_batch(target, prompts: list[list[int]], seeds: list[int], max_new: 
             else:
                 out[i].append(t)
                 done[i] = len(out[i]) >= max_new
-        if all(done):
-            break
-        ids = torch.tensor([[pad if d else t] for t, d in zip(nxt, done)], device=dev)
-        attn = torch.cat([attn, torch.ones((b, 1), dtype=attn.dtype, device=dev)], 1)
-        pos = pos[:, -1:] + 1
+        return None if all(done) else [pad if d else t for t, d in zip(nxt, done)]
+
+    left_padded_decode(functools.partial(_last_logits, target), prompts, pad, max_new, pick, dev)
     return [(o, not s) for o, s in zip(out, stopped)]
 
 

@@ -53,9 +53,6 @@ from spectrain.recipe.load import load_recipe
 from spectrain.target.gguf import resolve_target_path
 from spectrain.target.model import load_target
 
-# ---- generation ----------------------------------------------------------------------------------------
-
-
 # ---- files: resume, atomic rename, per-rank parts --------------------------------------------------------
 # A part file holds one line per finished input row, in input order: the regenerated row, or
 # {"id", "_skipped": reason} so that a resumed run does not redo rows it already had to skip.

@@ -15,7 +15,7 @@ cost nothing but memory; the cache is compacted (valid slots gathered, left padd
 outnumber valid slots. Rows that stop (eos or max_new_tokens) leave the batch: their cache rows are
 dropped and the drafter is told (``Drafter.keep_rows``), so nothing is ever re-padded per step.
 
-The per-row invariant is batch size 1's (decoding.py): the valid slots of row b hold ``tokens[:-1]``.
+The per-row invariant is batch size 1's (loop.py): the valid slots of row b hold ``tokens[:-1]``.
 Drafters see the per-row contract of spectrain/decoding/interface.py through ``propose_batch`` (default:
 one independent copy of the drafter per row; EAGLE-3 chains run all rows in one head forward).
 

@@ -33,6 +33,7 @@ from spectrain.decoding.interface import DraftContext, Drafter, Proposal
 from spectrain.drafters.draft_lm_batch import BatchedDraftLM
 from spectrain.drafters.head_io import CONFIG_NAME, warn_if_other_target
 from spectrain.drafters.losses import drafter_loss
+from spectrain.drafters.step_metrics import StepMetrics
 from spectrain.io.integrity import seal_head
 from spectrain.recipe.load import check_draft_layers
 from spectrain.registry import FeatureSpec
@@ -290,19 +291,12 @@ def chain_metrics(valid: torch.Tensor, agree: torch.Tensor, accept: torch.Tensor
     g = torch.zeros(valid.shape, dtype=torch.bool, device=valid.device)
     s = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
     g[valid], s[valid] = agree, accept.float()
-    run_g, run_s = g, s
     out = {"tokens": float(n), "expected_acc": float(s.sum()) / max(n, 1)}
-    prev, tau, tau_t1 = n, 1.0, 1.0
+    chain = StepMetrics(valid.shape, valid.device)  # step i = position t+i of a chain from anchor t
     for i in range(k):
-        if i:
-            run_g, run_s = run_g & _shift(g, i), run_s * _shift(s, i)
-        cnt = int(run_g.sum())
         # conditional: prod_{j<=i} acc_j = P(greedy run >= i+1), which the loop's sim_tau multiplies out
-        out[f"acc_{i}"] = cnt / prev if prev else 0.0
-        prev = cnt
-        tau += cnt / max(n, 1)
-        tau_t1 += float(run_s.sum()) / max(n, 1)
-    out["sim_tau"], out["sim_tau_t1"] = tau, tau_t1
+        out[f"acc_{i}"] = chain.step(i, _shift(g, i), valid, _shift(s, i), _shift(valid, i))[1]
+    out["sim_tau"], out["sim_tau_t1"] = chain.tau, chain.tau_t1
     return out
 
 
@@ -316,7 +310,7 @@ class DraftStudent(nn.Module):
 
     Alignment: student and target see the same tokens; the student's logits at position t are pulled
     toward the target's distribution at t (both predict token t+1) wherever token t+1 is an assistant
-    token (loss_mask[t+1], data.py convention) inside the attention mask. drafter.loss fkl / rkl / jsd /
+    token (loss_mask[t+1], spectrain/data/chat.py convention) inside the attention mask. drafter.loss fkl / rkl / jsd /
     tvd / soft_ce compare with the target's distribution; hard_ce is cross-entropy on the data's next
     token (supervised fine-tuning; on target-regenerated data, sequence-level distillation).
 

@@ -11,7 +11,7 @@ target's distribution at t = softmax(lm_head(h_t)), which predicts x_{t+1}):
 - mask: x_{t+2+i} is an attended assistant token (data/chat.py: loss_mask[j] = 1 means position j-1 is
   trained to predict x_j) and the anchor t itself is attended.
 
-In decoding the drafter holds h_{L-2} (features lag the tokens by one, see base.py) and the bonus
+In decoding the drafter holds h_{L-2} (features lag the tokens by one, see spectrain/decoding/interface.py) and the bonus
 token x_{L-1} is known, so head i applied to h_{L-2} drafts the token at position L + i.
 
 Parameter names follow vLLM's Medusa layout (``blocks.{i}.layers.{j}.weight/bias``,
@@ -31,6 +31,7 @@ from torch import nn
 from spectrain.decoding.interface import DraftContext, Drafter, Proposal
 from spectrain.drafters.head_io import WEIGHTS_NAME, check_state, read_head_config, save_head
 from spectrain.drafters.losses import drafter_loss, overlap, sim_tau
+from spectrain.drafters.step_metrics import StepMetrics
 from spectrain.registry import FeatureSpec
 from spectrain.target.fingerprint import target_fingerprint
 
@@ -108,9 +109,7 @@ class MedusaHeads(nn.Module):
         b, t = ids.shape
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
-        run = torch.ones_like(am)  # anchors where every earlier head agreed with the target
-        run_t1 = torch.ones(am.shape, device=ids.device)  # prod of the earlier heads' T=1 acceptance
-        tau_t1, anchors = 1.0, 1
+        chain = StepMetrics(am.shape, ids.device)  # head i = draft step i
         for i in range(self.num_heads):
             n_anchor = max(t - 2 - i, 0)
             mask = lm[:, 2 + i:] & am[:, :n_anchor]  # [B, T-2-i] over anchors t
@@ -125,27 +124,19 @@ class MedusaHeads(nn.Module):
             with torch.no_grad():
                 correct = torch.zeros_like(am)
                 correct[rb, rt] = logits.argmax(-1) == teacher.argmax(-1)
-                n = rb.numel()
-                acc = float(correct.sum()) / max(n, 1)
-                cond = torch.zeros_like(am)
-                cond[:, :n_anchor] = mask
-                cond &= run
-                metrics[f"cond_acc_{i}"] = float((correct & cond).sum()) / max(int(cond.sum()), 1)
-                run = run & correct
+                sup = torch.zeros_like(am)
+                sup[:, :n_anchor] = mask
                 # T=1 acceptance proxy of head i: sum_v min(p, q) over the full vocabulary
                 s_t1 = torch.zeros(am.shape, device=ids.device)
                 s_t1[rb, rt] = overlap(logits, teacher)
-                metrics[f"acc_t1_{i}"] = float(s_t1[rb, rt].mean()) if n else 0.0
-                run_t1 = run_t1 * s_t1
-                anchors = max(n, 1) if i == 0 else anchors
-                tau_t1 += float(run_t1.sum()) / anchors
+                acc, metrics[f"cond_acc_{i}"], metrics[f"acc_t1_{i}"], n = chain.step(i, correct, sup, s_t1, sup)
             metrics[f"loss_{i}"], metrics[f"acc_{i}"] = float(li.detach()), acc
             if i == 0:
                 metrics["tokens"] = float(n)
         metrics["loss"] = float(total.detach())
         # PROXY, not a measured tau: teacher-forced greedy top-1 agreement, 1 + sum_i prod_{j<=i} acc_j
         metrics["sim_tau"] = sim_tau([metrics[f"acc_{i}"] for i in range(self.num_heads)])
-        metrics["sim_tau_t1"] = tau_t1  # PROXY at T=1: 1 + sum_i mean over anchors of prod_{j<=i} acc_t1_j
+        metrics["sim_tau_t1"] = chain.tau_t1  # PROXY at T=1: 1 + sum_i mean over anchors of prod_{j<=i} acc_t1_j
         return total, metrics
 
     # ---- persistence -------------------------------------------------------------------------

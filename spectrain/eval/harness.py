@@ -48,9 +48,6 @@ from spectrain.io.outputs import resolve_out, staged_dir
 from spectrain.recipe.load import load_recipe
 from spectrain.target.model import load_target, resolve_dtype
 
-# ---- prompt sets --------------------------------------------------------------------------------------------
-
-
 # ---- arguments ----------------------------------------------------------------------------------------------
 
 

@@ -286,9 +286,6 @@ def write_markdown(path: Path, meta: dict, records: list[dict], plots: list[Path
     path.write_text("\n".join(md) + "\n")
 
 
-# ---- plots -----------------------------------------------------------------------------------------------------
-
-
 # ---- batch-size sweep (spectrain/eval/sweep.py) -----------------------------------------------------------------
 
 

@@ -59,7 +59,7 @@ class Eagle3Config:
     ttt_decay: float = 0.8
     intermediate_size: int = 0  # 0 = the target's
     num_attention_heads: int = 0  # 0 = the target's
-    # layer layout (speculators' names; all false = the original EAGLE-3 layer, see drafters/eagle3.py)
+    # layer layout (speculators' names; all false = the original EAGLE-3 layer, see drafters/eagle3/model.py)
     norm_before_fc: bool = False  # RMSNorm over the concatenated aux states before fc
     fc_norm: bool = False  # one RMSNorm per aux state before fc (exclusive with norm_before_fc)
     norm_before_residual: bool = False  # layer 0's residual = hidden_norm(hidden)

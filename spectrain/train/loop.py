@@ -1,7 +1,7 @@
 """ONE explicit training loop for every drafter family, on Hugging Face accelerate.
 
     spectrain train recipes/tiny/eagle3.yaml [a.b=value ...]
-    accelerate launch [--config_file recipes/accelerate/X.yaml] scripts/train.py RECIPE [a.b=value ...]
+    accelerate launch [--config_file recipes/accelerate/X.yaml] -m spectrain train RECIPE [a.b=value ...]
 
 Read top to bottom: ``train`` builds the accelerator, the frozen target, the data, the drafter, the
 optimizer and the schedule; then every optimizer step is
@@ -17,7 +17,8 @@ micro-batches and deals micro-batch j to rank j % world. Ranks never duplicate a
 batch does not depend on the world size, and (epoch, step in epoch) is all a checkpoint needs to
 restore the data position exactly. The trailing partial global batch of an epoch is dropped.
 
-A drafter family is a class with ``from_recipe(recipe, target, token_counts)``, ``feature_spec()``,
+A drafter family's trained module is a ``TrainableHead`` (spectrain/registry.py): ``from_recipe(recipe, target,
+token_counts)``, ``feature_spec()``,
 ``train_loss(batch, feats, target) -> (loss, metrics)`` (metrics with ``acc_i`` per step and
 ``sim_tau``) and ``save_pretrained(path, state_dict=None)`` (state_dict: the full weights, gathered by
 the loop when ZeRO-3 / FSDP shard the module); its record is in spectrain/registry.py.
@@ -25,6 +26,7 @@ the loop when ZeRO-3 / FSDP shard the module); its record is in spectrain/regist
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -43,32 +45,22 @@ from spectrain.recipe.load import load_recipe
 from spectrain.target.fingerprint import target_fingerprint
 from spectrain.train import checkpoint as ckpt
 from spectrain.train import run_dir
-from spectrain.train.engine import (  # noqa: F401  (resolve_precision, resolve_num_threads: re-exported)
+from spectrain.train.engine import (  # noqa: F401  (make_accelerator, resolve_*: re-exported for tests and scripts)
     full_state_dict,
     is_sharded,
-    load_target_for,
     make_accelerator,
     resolve_num_threads,
     resolve_precision,
-    shard_target,
-    shard_target_fsdp,
-    zero3,
 )
 from spectrain.train.metrics import _all_ranks, _pool, _sum_ranks, aggregate
 from spectrain.train.plan import require_train_disk
 from spectrain.train.schedule import epoch_order, lr_factor, rank_micro_batches
-from spectrain.train.setup import Run, setup
+from spectrain.train.setup import LoopState, Run, setup
 from spectrain.train.sources import OnlineSource  # noqa: F401  (re-exported: tests/test_distributed.py records its rows)
 
 
 class TrainingDiverged(ValueError):
     """Too many consecutive non-finite losses (a ValueError so the CLI prints it as one line)."""
-
-
-# ---- small pure pieces --------------------------------------------------------------------------
-
-
-# ---- setup ------------------------------------------------------------------------------------------
 
 
 def save_drafter(run, write: Callable[[nn.Module, dict | None], None]) -> None:
@@ -87,10 +79,10 @@ def save_drafter(run, write: Callable[[nn.Module, dict | None], None]) -> None:
 def step_micro_batches(run) -> list[list[int]]:
     """This rank's micro-batches for the current (epoch, step in epoch): a pure function of the position."""
     st, t, acc = run.state, run.recipe.training, run.acc
-    if run.order_cache[0] != st["epoch"]:
-        run.order_cache = (st["epoch"], epoch_order(len(run.train_src), t.seed, st["epoch"]))
+    if run.order_cache[0] != st.epoch:
+        run.order_cache = (st.epoch, epoch_order(len(run.train_src), t.seed, st.epoch))
     b = t.global_batch_size
-    rows = run.order_cache[1][st["step_in_epoch"] * b:(st["step_in_epoch"] + 1) * b]
+    rows = run.order_cache[1][st.step_in_epoch * b:(st.step_in_epoch + 1) * b]
     lengths = [run.train_src.lengths[i] for i in rows]
     return rank_micro_batches(rows, lengths, t.micro_batch_size, acc.process_index, acc.num_processes)
 
@@ -104,7 +96,7 @@ def _non_finite_weight(module: nn.Module) -> str | None:
 def train_step(run) -> dict:
     acc, t, st = run.acc, run.recipe.training, run.state
     losses, parts, tokens, finite = [], [], 0, True
-    op = run.on_policy if run.on_policy is not None and run.on_policy.active(st["step"]) else None
+    op = run.on_policy if run.on_policy is not None and run.on_policy.active(st.step) else None
     if op is not None:
         op.begin_step(run)
     for j, mb in enumerate(step_micro_batches(run)):
@@ -130,21 +122,21 @@ def train_step(run) -> dict:
         bad = _non_finite_weight(run.drafter)
         if _all_ranks(acc, bad is not None):  # sharded (ZeRO-3 / FSDP): each rank checks its shard
             raise TrainingDiverged(
-                f"step {st['step'] + 1}: the update made the drafter's weights non-finite ({bad or 'on another rank'}; "
+                f"step {st.step + 1}: the update made the drafter's weights non-finite ({bad or 'on another rank'}; "
                 f"training.lr={t.lr}): the run stops and nothing of this step is saved; lower training.lr or use "
                 "training.precision=fp32, then resume from the last checkpoint (training.resume_from=auto)")
-        st["nan_streak"] = 0
+        st.nan_streak = 0
         if norm is not None:
             rec["grad_norm"] = float(norm)
     else:
-        st["nan_streak"] += 1
+        st.nan_streak += 1
         limit = max(1, t.max_nan_steps)
-        if st["nan_streak"] >= limit:
+        if st.nan_streak >= limit:
             raise TrainingDiverged(
-                f"non-finite loss for {st['nan_streak']} consecutive steps (training.max_nan_steps={t.max_nan_steps}) "
-                f"at step {st['step'] + 1}: lower training.lr, use training.precision=fp32, or check the data")
-        warnings.warn(f"step {st['step'] + 1}: non-finite loss {losses}; update skipped "
-                      f"({st['nan_streak']}/{limit} in a row before stopping)", stacklevel=2)
+                f"non-finite loss for {st.nan_streak} consecutive steps (training.max_nan_steps={t.max_nan_steps}) "
+                f"at step {st.step + 1}: lower training.lr, use training.precision=fp32, or check the data")
+        warnings.warn(f"step {st.step + 1}: non-finite loss {losses}; update skipped "
+                      f"({st.nan_streak}/{limit} in a row before stopping)", stacklevel=2)
         rec["skipped"] = 1
     run.opt.zero_grad(set_to_none=True)
     rec["lr"] = run.sched.get_last_lr()[0]
@@ -156,10 +148,10 @@ def train_step(run) -> dict:
         rec["on_policy"] = float(op is not None)
         if run.on_policy.generates:
             rec["gen_s"], rec["gen_tokens"] = (op.gen_s, _sum_ranks(acc, op.gen_tokens)) if op else (0.0, 0.0)
-    st["step"] += 1
-    st["step_in_epoch"] += 1
-    if st["step_in_epoch"] >= run.steps_per_epoch:
-        st["epoch"], st["step_in_epoch"] = st["epoch"] + 1, 0
+    st.step += 1
+    st.step_in_epoch += 1
+    if st.step_in_epoch >= run.steps_per_epoch:
+        st.epoch, st.step_in_epoch = st.epoch + 1, 0
     return rec
 
 
@@ -194,7 +186,7 @@ def evaluate(run) -> dict | None:
     if acc.num_processes > 1:
         parts = gather_object(parts)
     agg = aggregate(parts)
-    rec = {"step": run.state["step"], "split": "heldout", "heldout_rows": len(src)}
+    rec = {"step": run.state.step, "split": "heldout", "heldout_rows": len(src)}
     rec.update({f"eval/{k}": v for k, v in agg.items() if k != "sim_tau"})
     rec["eval/sim_tau_proxy"] = agg.get("sim_tau")
     return rec
@@ -211,17 +203,17 @@ def maybe_best(run, ev: dict | None) -> None:
             raise ValueError(f"{type(run.drafter).__name__}.train_loss reports no acc_i/sim_tau metrics; "
                              "best/ is chosen by held-out simulated tau, so the family must report them")
         return
-    best = run.state["best_sim_tau"]
+    best = run.state.best_sim_tau
     if best is None or tau > best:
-        run.state["best_sim_tau"], run.state["best_step"] = tau, run.state["step"]
-        info = {"step": run.state["step"], "sim_tau_proxy": tau,
+        run.state.best_sim_tau, run.state.best_step = tau, run.state.step
+        info = {"step": run.state.step, "sim_tau_proxy": tau,
                 "criterion": "held-out simulated tau (greedy teacher-forced proxy, +1 bonus)",
                 **{k: v for k, v in ev.items() if k.startswith("eval/")}}
         save_drafter(run, lambda d, sd: ckpt.save_best(d, run.out, info, sd))
 
 
 def save(run) -> Path:
-    state = dict(run.state, recipe_hash=run_dir.recipe_hash(run.recipe.to_dict()),
+    state = dict(dataclasses.asdict(run.state), recipe_hash=run_dir.recipe_hash(run.recipe.to_dict()),
                  world_size=run.acc.num_processes, total_steps=run.total,
                  target_fingerprint=target_fingerprint(run.target))  # resume refuses another target
     drafter = run.acc.unwrap_model(run.model).drafter
@@ -270,7 +262,7 @@ def _train(recipe, target, train_rows, heldout_rows, on_step) -> dict:
                        t.keep_checkpoints)
     saved = ckpt.resume(acc, run.out, t.resume_from, recipe.to_dict(), run.metrics_path, run.sched, run.target)
     if saved is not None:
-        run.state = {k: saved[k] for k in run.state}
+        run.state = LoopState(**{f.name: saved[f.name] for f in dataclasses.fields(LoopState)})
         extend(run, saved)
         if run.on_policy is not None:
             run.on_policy.restore(run, saved["checkpoint_dir"])
@@ -281,24 +273,24 @@ def _train(recipe, target, train_rows, heldout_rows, on_step) -> dict:
     run_dir.start_run(acc, recipe, {"target_fingerprint": target_fingerprint(run.target),
                                  "total_steps": run.total, "steps_per_epoch": run.steps_per_epoch,
                                  "grad_accum": acc.gradient_accumulation_steps,
-                                 "mixed_precision": str(acc.mixed_precision), "resumed_at_step": run.state["step"]})
+                                 "mixed_precision": str(acc.mixed_precision), "resumed_at_step": run.state.step})
     preempt = ckpt.Preemption()
-    bar = tqdm(total=run.total, initial=run.state["step"], disable=not acc.is_main_process, dynamic_ncols=True,
+    bar = tqdm(total=run.total, initial=run.state.step, disable=not acc.is_main_process, dynamic_ncols=True,
                desc=f"train {recipe.drafter.kind}")
-    start, t0, ev, saved_at = run.state["step"], time.perf_counter(), None, None
+    start, t0, ev, saved_at = run.state.step, time.perf_counter(), None, None
     try:
-        while run.state["step"] < run.total:
+        while run.state.step < run.total:
             ts = time.perf_counter()
             rec = train_step(run)
             dt = max(time.perf_counter() - ts, 1e-9)
-            rec = {"step": run.state["step"], "epoch": run.state["epoch"], **rec, "tokens_per_s": rec["tokens"] / dt,
+            rec = {"step": run.state.step, "epoch": run.state.epoch, **rec, "tokens_per_s": rec["tokens"] / dt,
                    **({"gen_frac": rec["gen_s"] / dt} if "gen_s" in rec else {})}  # share of the step spent sampling
             log(run, rec)
             bar.update(1)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec.get('acc_0', float('nan')):.2f}")
             if on_step is not None:
                 on_step(run, rec)
-            step, done = run.state["step"], run.state["step"] >= run.total
+            step, done = run.state.step, run.state.step >= run.total
             if (t.eval_every and step % t.eval_every == 0) or done:
                 ev = evaluate(run)
                 if ev is not None:
@@ -317,15 +309,15 @@ def _train(recipe, target, train_rows, heldout_rows, on_step) -> dict:
         bar.close()
         preempt.restore()
     wall = time.perf_counter() - t0
-    if run.state["best_sim_tau"] is None and run.stop_signal is None:
-        info = {"step": run.state["step"], "criterion": "final weights (no held-out split to choose by)"}
+    if run.state.best_sim_tau is None and run.stop_signal is None:
+        info = {"step": run.state.step, "criterion": "final weights (no held-out split to choose by)"}
         save_drafter(run, lambda d, sd: ckpt.save_best(d, run.out, info, sd))
-    summary = {"step": run.state["step"], "total_steps": run.total, "steps_this_run": run.state["step"] - start,
+    summary = {"step": run.state.step, "total_steps": run.total, "steps_this_run": run.state.step - start,
                "wall_s": wall, "interrupted_by": run.stop_signal, "checkpoint": str(saved_at) if saved_at else None,
-               "best_sim_tau_proxy": run.state["best_sim_tau"], "best_step": run.state["best_step"],
+               "best_sim_tau_proxy": run.state.best_sim_tau, "best_step": run.state.best_step,
                "last_eval": ev, "output_dir": str(run.out)}
     if acc.is_main_process:
-        log(run, {"step": run.state["step"], "event": "end", "wall_s": wall,
+        log(run, {"step": run.state.step, "event": "end", "wall_s": wall,
                   "interrupted_by": run.stop_signal})
     acc.end_training()
     return summary

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
-from transformers import DynamicCache
 
 from spectrain import registry
 from spectrain.data.dataset import collate
+from spectrain.decoding.left_padded import left_padded_decode
 from spectrain.decoding.sampling import Sampler
 from spectrain.decoding.step import resolve_eos
 from spectrain.train.sources import target_features
@@ -51,36 +51,25 @@ def prompt_of(row: dict) -> list[int]:
     return ids[: max(first, 1)].tolist()
 
 
-@torch.no_grad()
 def sample_continuations(model, prompts: list[list[int]], max_new: int, sampler: Sampler, vocab: int,
                          eos: set[int], pad_id: int) -> list[list[int]]:
     """Batched sampling with a KV cache: prompts left-padded (position ids count real tokens only, so a row
     sees exactly what it would alone); each continuation ends at its first eos (kept) or at max_new tokens."""
-    dev = model.get_input_embeddings().weight.device
-    n = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), n), pad_id, dtype=torch.long)
-    am = torch.zeros((len(prompts), n), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, n - len(p):], am[r, n - len(p):] = torch.tensor(p), 1
-    ids, am = ids.to(dev), am.to(dev)
-
-    pos, cache = (am.cumsum(1) - 1).clamp_min(0), DynamicCache()
-    out = model(input_ids=ids, attention_mask=am, position_ids=pos, cache=cache, use_cache=True)
-    pos = pos[:, -1:]
     new, done = [[] for _ in prompts], [False] * len(prompts)
-    logits = out.logits[:, -1]
-    for i in range(max_new):
+
+    def forward(ids, am, pos, cache):
+        return model(input_ids=ids, attention_mask=am, position_ids=pos, cache=cache, use_cache=True).logits[:, -1]
+
+    def pick(logits):
         # sampled on the CPU with the CPU generator: the same draws on every device
         x = sampler.sample(sampler.probs(logits[:, :vocab].float().cpu()))
         for r, tok in enumerate(x.tolist()):
             if not done[r]:
                 new[r].append(tok)
                 done[r] = tok in eos
-        if all(done) or i + 1 == max_new:
-            break
-        am, pos = torch.cat([am, am.new_ones(len(prompts), 1)], 1), pos + 1
-        out = model(input_ids=x[:, None].to(dev), attention_mask=am, position_ids=pos, cache=cache, use_cache=True)
-        logits = out.logits[:, -1]
+        return None if all(done) else x
+
+    left_padded_decode(forward, prompts, pad_id, max_new, pick, model.get_input_embeddings().weight.device)
     return new
 
 
@@ -105,7 +94,7 @@ class OnPolicy:
 
     def begin_step(self, run) -> None:
         self.gen_s, self.gen_tokens = 0.0, 0
-        step, n = run.state["step"], self.cfg.refresh_every
+        step, n = run.state.step, self.cfg.refresh_every
         # refresh_every > 1: one snapshot per window of n steps, taken at the window's first on-policy step
         if n > 1 and self.active(step) and (self.snapshot is None or self._window != step // n):
             self.snapshot = copy.deepcopy(student(run)).eval().requires_grad_(False)
@@ -114,7 +103,7 @@ class OnPolicy:
     def batch(self, run, indices: list[int], micro_index: int) -> tuple[dict, dict]:
         rows = run.train_src.token_rows(indices)
         prompts = [prompt_of(r) for r in rows]
-        g = torch.Generator().manual_seed(self.seed_for(run.state["step"], micro_index))
+        g = torch.Generator().manual_seed(self.seed_for(run.state.step, micro_index))
         model = self.snapshot if self.snapshot is not None else student(run)
         t0, was_training = time.perf_counter(), model.training
         model.eval()  # no dropout while sampling: the rollout is the policy that decoding would run
@@ -162,7 +151,7 @@ class RolloutSteps(OnPolicy):
 
     def batch(self, run, indices: list[int], micro_index: int) -> tuple[dict, dict]:
         batch, feats = run.train_src.get(indices)
-        batch["rollout_seed"] = self.seed_for(run.state["step"], micro_index)
+        batch["rollout_seed"] = self.seed_for(run.state.step, micro_index)
         return batch, feats
 
     def save(self, path: Path) -> None:

@@ -50,6 +50,21 @@ class _LossModule(nn.Module):
 
 
 @dataclass
+class LoopState:
+    """Where the loop stands: what a checkpoint's trainer_state.json restores (with these names)."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    step_in_epoch: int = 0  # the data position within the epoch (spectrain/train/schedule.py)
+    best_sim_tau: float | None = None  # the best held-out sim_tau proxy so far (best/ holds its weights)
+    best_step: int | None = None
+    nan_streak: int = 0  # consecutive non-finite losses (training.max_nan_steps)
+
+    def __getitem__(self, key: str):  # run.state["step"]: the dict the state was before, for older callers
+        return getattr(self, key)
+
+
+@dataclass
 class Run:
     """Everything the loop touches, built once by ``setup``; ``state`` is what a checkpoint saves and restores."""
 
@@ -68,8 +83,7 @@ class Run:
     total: int  # optimizer steps of the run
     steps_per_epoch: int
     metrics_path: Path
-    state: dict = field(default_factory=lambda: {"step": 0, "epoch": 0, "step_in_epoch": 0, "best_sim_tau": None,
-                                                 "best_step": None, "nan_streak": 0})
+    state: LoopState = field(default_factory=lambda: LoopState())
     stop_signal: str | None = None
     order_cache: tuple = (-1, [])  # (epoch, its seeded row order)
 

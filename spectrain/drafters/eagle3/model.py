@@ -53,6 +53,7 @@ from spectrain.drafters.eagle3.layout import (
 from spectrain.drafters.eagle3.rollout import Rollout
 from spectrain.drafters.head_io import WEIGHTS_NAME, check_state, read_head_config, save_head
 from spectrain.drafters.losses import drafter_loss, hard_ce, sim_tau
+from spectrain.drafters.step_metrics import StepMetrics
 from spectrain.registry import FeatureSpec
 from spectrain.target.fingerprint import target_fingerprint
 
@@ -320,9 +321,7 @@ class Eagle3Drafter(nn.Module):
         metrics: dict[str, float] = {}
         if roll is not None:  # the target's verification pass over the drafted prefixes
             metrics.update(roll.verify(target, ids, am, _shift(greedy, 1)))
-        run = torch.ones_like(am)  # all earlier steps correct at this anchor
-        run_t1 = torch.ones(am.shape, device=ids.device)  # prod of the earlier steps' T=1 acceptance
-        tau_t1 = 1.0
+        chain = StepMetrics(am.shape, ids.device)
         for i, lg in enumerate(logits):
             tch, lz, inv = _shift(teacher, 1 + i), _shift(log_z, 1 + i), _shift(in_vocab, 1 + i, False)
             if roll is not None and i > 0:  # rolled-out anchors: the target on the head's own prefix
@@ -338,20 +337,11 @@ class Eagle3Drafter(nn.Module):
             total = total + decay**i * li
             with torch.no_grad():
                 correct = (lg.argmax(-1) == tch.argmax(-1)) & mask
-                n = int(mask.sum())
-                acc = correct.sum().item() / max(n, 1)
-                cond_n = int((mask & run).sum())
-                metrics[f"cond_acc_{i}"] = (correct & run).sum().item() / max(cond_n, 1)
-                run = run & correct
                 # T=1 acceptance of step i: sum over the draft vocab of min(p, q) with p the target's FULL
                 # distribution (its mass outside the draft vocab is rejected, as in decoding), over every
                 # supervised position (out-of-vocab argmax ones included)
                 s_t1 = torch.minimum(lg.float().softmax(-1), (tch - lz[..., None]).exp()).sum(-1)
-                metrics[f"acc_t1_{i}"] = float(s_t1[sup].mean()) if sup.any() else 0.0
-                run_t1 = run_t1 * torch.where(sup, s_t1, 0.0)
-                if i == 0:
-                    anchors = max(int(sup.sum()), 1)
-                tau_t1 += float(run_t1.sum()) / anchors
+                acc, metrics[f"cond_acc_{i}"], metrics[f"acc_t1_{i}"], n = chain.step(i, correct, mask, s_t1, sup)
             metrics[f"loss_{i}"], metrics[f"acc_{i}"] = float(li.detach()), acc
             if i == 0:
                 metrics["tokens"] = float(n)
@@ -364,11 +354,11 @@ class Eagle3Drafter(nn.Module):
         metrics["sim_tau"] = sim_tau([metrics[f"acc_{i}"] for i in range(len(logits))])
         # PROXY at T=1: 1 + sum_i mean over anchors of prod_{j<=i} acc_t1_j(anchor) (a chain stops at an
         # unsupervised position), the same definition as the draft model's sim_tau_t1
-        metrics["sim_tau_t1"] = tau_t1
+        metrics["sim_tau_t1"] = chain.tau_t1
         return total, metrics
 
     def _rollout(self, batch: dict, sup0: torch.Tensor):
-        """A rollout step (the loop put ``rollout_seed`` into the batch; drafters/eagle3_rollout.py) or None."""
+        """A rollout step (the loop put ``rollout_seed`` into the batch; drafters/eagle3/rollout.py) or None."""
         if "rollout_seed" not in batch:
             return None
         if "doc_lengths" in batch:
