@@ -58,3 +58,18 @@ def test_no_module_outside_a_family_branches_on_its_name():
 def test_the_check_itself_finds_a_branch(tmp_path):
     (tmp_path / "mod.py").write_text('def f(r):\n    return r.drafter.kind in ("draft", "x") or 1 == 2\n')
     assert family_branches(tmp_path) == ['spectrain/mod.py:2: r.drafter.kind in (\'draft\', \'x\')']
+
+
+HOOKS = ("serve", "serve_k", "engine_problems", "preflight", "validate", "cost", "cost_config", "run_inputs",
+         "deploy_cost")
+
+
+def test_every_hook_resolves_and_every_head_is_a_trainable_head():
+    for kind, fam in registry.FAMILIES.items():
+        for name in HOOKS:
+            ref = getattr(fam, name)
+            assert not ref or callable(registry.resolve(ref)), f"{kind}.{name} = {ref!r} does not resolve"
+        assert issubclass(registry.resolve(fam.head), registry.TrainableHead), kind
+        assert set(fam.engines) <= set(fam.exports), f"{kind}: engines named for a format it does not export"
+        assert not fam.engines or fam.serve, f"{kind}: engines serve its formats but it has no serve hook"
+        assert fam.capabilities <= {"packing", "rollout", "on_policy", "one_pass"}, kind
