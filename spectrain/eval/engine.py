@@ -88,7 +88,8 @@ def _stats(c: Completion, k: int) -> DecodeStats:
     verified on the steps that accepted position i-1: attempts_1 = drafts, attempts_i = accepts_(i-1)."""
     acc = (c.accepted_per_pos + [0] * k)[:k]
     att = [c.drafts] + acc[:-1]
-    passes = c.drafts + max(0, c.predicted_n - 1 - c.drafts - c.draft_n_accepted)  # steps without a draft
+    # the prefill pass emits the first token (spectrain counts it as a pass too), then one pass per step
+    passes = 1 + c.drafts + max(0, c.predicted_n - 1 - c.drafts - c.draft_n_accepted)
     return DecodeStats(k=k, attempts=att, accepts=acc, drafted=c.draft_n, target_passes=passes,
                        emitted=c.predicted_n, sequences=1, wall_time_s=c.predicted_ms / 1e3,
                        draft_time_s=c.draft_ms / 1e3, target_time_s=max(0.0, c.predicted_ms - c.draft_ms) / 1e3)
@@ -177,6 +178,8 @@ def main(args) -> int:
         records = _records(args, cells, sets, encoded, drafters, curve)
         meta = _meta(args, engine, target, sets, cells, curve, depth, time.monotonic() - t0)
         paths = report.write_all(tmp, meta, records)
+        with open(tmp / "report.md", "a") as f:
+            f.write(engine_markdown(meta, records))
         if args.conform_to:
             text = _conformance(args, meta, records, cells, sets, encoded, target)
             (tmp / "conformance.md").write_text(text)
@@ -233,15 +236,41 @@ def _predict(rec: dict, curve: dict[int, float], k: int) -> float | None:
 
 
 def _meta(args, engine, target: Path, sets, cells, curve, depth: int, seconds: float) -> dict:
+    base = {(t, ps.name): cells[("plain", f"T={t:g}", ps.name)] for t in args.temperature for ps in sets}
     return {
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "engine": engine.version,
-        "engine_build": engine.info, "target": str(target), "drafters": args.drafter, "k": args.k, "trees": [],
-        "temperatures": args.temperature, "top_p": 1.0, "top_k": 0, "seed": args.seed,
-        "max_new_tokens": args.max_new_tokens, "n_per_set": args.n, "threads": args.threads, "dtype": "gguf",
-        "prompt_sets": [{"name": ps.name, "split": ps.split, "source": ps.source, "n_prompts": ps.n_used}
+        "engine_build": engine.info, "target": str(target), "device": f"llama.cpp CPU x{args.threads} threads",
+        "drafters": args.drafter, "k": args.k, "trees": [], "temperatures": args.temperature, "top_p": 1.0,
+        "top_k": 0, "seed": args.seed, "max_new_tokens": args.max_new_tokens, "n_per_set": args.n,
+        "threads": args.threads, "dtype": "gguf", "git_sha": report._git_sha(),
+        "prompt_sets": [{"name": ps.name, "split": ps.split, "source": ps.source, "n_prompts": ps.n_used,
+                         "n_candidates": len(ps.prompts), "skipped": dict(ps.skipped), "n_truncated": ps.truncated}
                         for ps in sets],
+        "dropped_sets": getattr(args, "dropped_sets", []),
+        "baselines": [{"temperature": t, "prompt_set": name, "tokens": b["tokens"], "wall_time_s": b["seconds"],
+                       "tokens_per_s": b["tokens"] / b["seconds"] if b["seconds"] else None}
+                      for (t, name), b in base.items()],
         "cost_curve": {"depth": depth, "seconds": {str(t): v for t, v in curve.items()}},
         "grid_seconds": round(seconds, 1), "conventions": report.CONVENTIONS,
         "timing": "generation phase only (the engine's predicted_ms); one slot; servers take turns per prompt",
     }
+
+
+def engine_markdown(meta: dict, records: list[dict]) -> str:
+    """The engine's cost curve and, per record, the measured speedup beside the one the curve predicts."""
+    curve = {int(t): s for t, s in meta["cost_curve"]["seconds"].items()}
+    lines = ["", f"## llama.cpp: {meta['engine']}", "",
+             f"Cost of one target pass over t new tokens at depth {meta['cost_curve']['depth']} (llama-bench), "
+             "relative to t = 1:", "", "| t | " + " | ".join(map(str, curve)) + " |",
+             "|---|" + "---|" * len(curve), "| cost | " + " | ".join(f"{curve[t] / curve[1]:.2f}" for t in curve) + " |",
+             "", f"t = 1: {1e3 * curve[1]:.1f} ms ({1 / curve[1]:.0f} tok/s).", "",
+             "| drafter | config | set | alpha_1..k | tau | c | predicted | measured | measured / predicted |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        p, m = r.get("predicted_speedup_cost_curve"), r.get("measured_speedup")
+        alphas = " / ".join("-" if a is None else f"{a:.2f}" for a in r["alpha"])
+        lines.append(f"| {r['drafter']} | {r['config']} | {r['prompt_set']} | {alphas} | {r['tau']:.2f} | "
+                     f"{'-' if r['c'] is None else f'{r[chr(99)]:.3f}'} | {'-' if p is None else f'{p:.2f}x'} | "
+                     f"{'-' if m is None else f'{m:.2f}x'} | {'-' if not p or m is None else f'{m / p:.2f}'} |")
+    return "\n".join(lines) + "\n"
