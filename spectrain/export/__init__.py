@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spectrain import registry
-from spectrain.export.common import ExportError, read_config, resolve_source
+from spectrain.export.common import ExportError, hf_target, read_config, resolve_source
 from spectrain.export.eagle3 import (
     export_sglang_eagle3,
     export_vllm_eagle3,
@@ -91,7 +91,7 @@ def export(source, fmt: str, out, target: str | None = None, force: bool = False
     dest = guard_export(src, out, force, target)
     head = read_config(src, registry.format_family(fmt).kind, fmt)  # a drafter of the wrong kind fails here, naming the format
     d = resolve_decode(head, k, tree)
-    commands = serve_commands(fmt, head, str(dest), target or head.get("target") or "", d, engines)
+    commands = serve_commands(fmt, head, str(dest), hf_target(target or head.get("target") or ""), d, engines)
     with writing(out, remove=False):  # names --out in a disk-full message (the staged temp dir is removed)
         summary = exporter(src, dest, target, overwrite=force, readme=readme_section(commands, d.label))
     return {**summary, "serve": commands, "decode": d.label}

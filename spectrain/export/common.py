@@ -18,6 +18,7 @@ from spectrain import registry
 from spectrain.drafters.head_io import CONFIG_NAME, WEIGHTS_NAME
 from spectrain.io.integrity import seal
 from spectrain.io.outputs import check_placement, write_marker
+from spectrain.target.gguf import resolve_target_path
 
 Spec = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, "float" | "int64" | "bool")
 
@@ -59,6 +60,14 @@ def read_config(src: Path, kind: str, fmt: str) -> dict:
 def read_head(src: Path, kind: str, fmt: str) -> tuple[dict, dict[str, torch.Tensor]]:
     cfg = read_config(src, kind, fmt)
     return cfg, load_file(str(src / WEIGHTS_NAME))
+
+
+def hf_target(name: str) -> str:
+    """A GGUF target (a local .gguf file) -> its cached dequantized checkpoint (absolute), which is what the head
+    was trained against and what an HF-format engine loads; any other name unchanged."""
+    if name and name.endswith(".gguf") and Path(name).is_file():
+        return str(Path(resolve_target_path(name)).resolve())
+    return name
 
 
 def target_info(name: str, cfg: dict) -> tuple[dict | None, list[str]]:

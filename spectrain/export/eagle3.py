@@ -35,6 +35,7 @@ from spectrain.export.common import (
     check_out,
     check_tensors,
     dtype_name,
+    hf_target,
     load_export,
     problems_of,
     read_head,
@@ -145,7 +146,7 @@ def _export_eagle3(fmt: str, src_dir, out_dir, target_name: str | None, overwrit
     src, out = Path(src_dir), Path(out_dir)
     cfg, state, warnings = _read_sorted(src, fmt)
     check_out(src, out, overwrite)
-    target = target_name or cfg.get("target") or ""
+    target = hf_target(target_name or cfg.get("target") or "")
     tcfg, more = target_info(target, cfg)
     warnings += more
     aux, dtype = list(cfg["aux_layers"]), dtype_name(state)
