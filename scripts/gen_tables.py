@@ -50,6 +50,8 @@ HANDWRITTEN = {
     "(`trtllm-serve --extra_llm_api_options`) |",
     "| format | loader | what was verified | how |",
     "| rule | test |",
+    "| fact | where | what spectrain does |",
+    "| what | before | after |",
 }
 
 
