@@ -42,7 +42,10 @@ from spectrain.recipe.load import load_recipe
 from spectrain.target.gguf import resolve_target_path
 from spectrain.target.model import load_target
 
-NGRAM_MODES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+# --drafter names served by the engine's own n-gram modes ("ngram": its simplest, beside spectrain's n-gram)
+ENGINE_MODES = {"ngram": "ngram-simple", **{m: m for m in ("ngram-simple", "ngram-map-k", "ngram-map-k4v",
+                                                           "ngram-mod", "ngram-cache")}}
+SPEC_TYPE_BY_ARCH = {"eagle3": "draft-eagle3"}  # a GGUF's general.architecture -> --spec-type (else a draft LM)
 SCALE_FLOOR = 1e-3  # nats: below this the two paths' margins agree to print precision
 
 
@@ -55,13 +58,13 @@ class EngineDrafter:
 
 def resolve_drafter(spec: str, target: str, work: Path) -> EngineDrafter:
     """A --drafter value -> what llama-server is started with (a run dir is exported to GGUF under work/)."""
-    if spec == "ngram" or spec in NGRAM_MODES:
-        return EngineDrafter(spec, None, "ngram-simple" if spec == "ngram" else spec)
+    if spec in ENGINE_MODES:
+        return EngineDrafter(spec, None, ENGINE_MODES[spec])
     p = Path(spec)
     gguf = p if p.suffix == ".gguf" else p / GGUF_NAME
     if gguf.is_file():
         arch = read_gguf_meta(gguf)[0].get("general.architecture")
-        return EngineDrafter(spec, gguf, "draft-eagle3" if arch == "eagle3" else "draft-simple")
+        return EngineDrafter(spec, gguf, SPEC_TYPE_BY_ARCH.get(arch, "draft-simple"))
     src = resolve_source(p)
     kind = json.loads((src / "drafter_config.json").read_text()).get("kind")
     fmt = next((f for f in registry.family(kind).exports if f.startswith("llama.cpp-")), None)

@@ -23,8 +23,11 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+from spectrain import registry
 from spectrain.engines import llama_cpp
 from spectrain.export.common import check_out, read_config, staged, summary
 from spectrain.export.eagle3 import export_vllm_eagle3
@@ -34,7 +37,29 @@ from spectrain.target.gguf import resolve_target_path
 GGUF_NAME = "model.gguf"
 NOT_COMPUTED = {"norm_output": "llama.cpp feeds the draft layer's pre-norm output to the next step",
                 "fc_norm": "llama.cpp has no tensor for per-aux-state norms (the converter maps no fc_norm.*)"}
-SPEC_TYPE = {"eagle3": "draft-eagle3", "draft": "draft-simple"}
+
+
+@dataclass(frozen=True)
+class GGUFFormat:
+    """What differs between the two llama.cpp formats (one per family that llama.cpp can serve)."""
+
+    hf_export: Callable  # the HF-layout export the converter reads
+    spec_type: str  # llama-server --spec-type
+    needs_target_dir: bool  # the converter reads the target's config / tokenizer (EAGLE-3 heads)
+    refused: Callable[[dict], list[str]]  # layouts the engine cannot compute
+    default_k: Callable[[dict], int]
+    architecture: str | None  # general.architecture the GGUF must name (None: any)
+
+
+def refused_layout(cfg: dict) -> list[str]:
+    return [f"{k}: {why}" for k, why in NOT_COMPUTED.items() if cfg.get(k)]
+
+
+FORMATS = {
+    "llama.cpp-eagle3": GGUFFormat(export_vllm_eagle3, "draft-eagle3", True, refused_layout,
+                                   lambda cfg: int(cfg.get("ttt_steps", 3)), "eagle3"),
+    "llama.cpp-draft": GGUFFormat(export_hf_draft, "draft-simple", False, lambda cfg: [], lambda cfg: 3, None),
+}
 
 
 def _target_dir(target: str) -> Path:
@@ -46,10 +71,6 @@ def _target_dir(target: str) -> Path:
         raise ValueError(f"target {target!r} is not a local model directory or .gguf file: llama.cpp's converter "
                          "reads the target's config.json and tokenizer; pass --target with a local path")
     return local
-
-
-def refused_layout(cfg: dict) -> list[str]:
-    return [f"{k}: {why}" for k, why in NOT_COMPUTED.items() if cfg.get(k)]
 
 
 def _convert(hf_dir: Path, out_file: Path, target_dir: Path | None) -> None:
@@ -84,12 +105,14 @@ def read_gguf_meta(path: Path) -> tuple[dict, list[str]]:
     return meta, [t.name for t in reader.tensors]
 
 
-def gguf_problems(path: Path, kind: str, cfg: dict) -> list[str]:
+def gguf_problems(path: Path, fmt: str, cfg: dict | None) -> list[str]:
     """What the written GGUF says differently from the head it was converted from ([] = it matches)."""
     meta, tensors = read_gguf_meta(path)
-    arch = meta.get("general.architecture")
-    if kind == "draft":
-        return [] if arch else ["the GGUF names no general.architecture"]
+    arch, want_arch = meta.get("general.architecture"), FORMATS[fmt].architecture
+    if not arch or (want_arch and arch != want_arch):
+        return [f"general.architecture = {arch!r}, {fmt} needs {want_arch or 'one'}"]
+    if cfg is None or not want_arch:  # --validate-only, or a draft model (an ordinary LM: nothing head-specific)
+        return []
     want = {"general.architecture": "eagle3", "eagle3.target_layers": list(cfg["aux_layers"]),
             "eagle3.target_hidden_size": cfg["target_hidden_size"],
             "eagle3.norm_before_residual": bool(cfg.get("norm_before_residual")),
@@ -105,54 +128,52 @@ def serve_line(target: str, model: Path, spec_type: str, k: int) -> str:
             f"--spec-draft-n-max {k} --spec-draft-p-min 0 -np 1")
 
 
-def _export(fmt: str, kind: str, src_dir, out_dir, target_name: str | None, overwrite: bool, readme: str) -> dict:
-    src, out = Path(src_dir), Path(out_dir)
-    cfg = read_config(src, kind, fmt)
+def _export(fmt: str, src_dir, out_dir, target_name: str | None, overwrite: bool, readme: str) -> dict:
+    src, out, form = Path(src_dir), Path(out_dir), FORMATS[fmt]
+    cfg = read_config(src, registry.format_family(fmt).kind, fmt)
     check_out(src, out, overwrite)
-    bad = refused_layout(cfg) if kind == "eagle3" else []
+    bad = form.refused(cfg)
     if bad:
         raise ValueError(f"llama.cpp cannot compute this EAGLE-3 head exactly ({'; '.join(bad)}): train it with "
                          "drafter.eagle3.norm_output=false drafter.eagle3.fc_norm=false to serve it in llama.cpp")
     target = target_name or cfg.get("target") or ""
     tdir = _target_dir(target)
-    k = int(cfg.get("ttt_steps", 3)) if kind == "eagle3" else 3
+    k = form.default_k(cfg)
     gguf_target = target if target.endswith(".gguf") else "TARGET.gguf"
-    line = serve_line(gguf_target, out.resolve() / GGUF_NAME, SPEC_TYPE[kind], k)
+    line = serve_line(gguf_target, out.resolve() / GGUF_NAME, form.spec_type, k)
     with tempfile.TemporaryDirectory(prefix=".llama-cpp-", dir=out.parent if out.parent.exists() else None) as t:
         hf = Path(t) / "hf"
-        (export_vllm_eagle3 if kind == "eagle3" else export_hf_draft)(src, hf, str(tdir))
+        form.hf_export(src, hf, str(tdir))
 
         def validate(d: Path) -> list[str]:
-            return validate_llama_cpp(d, kind, cfg)
+            return validate_llama_cpp(d, fmt, cfg)
 
         text = (f"# {fmt} export by spectrain\n\nServe it with the llama.cpp that `spectrain engine fetch llama.cpp` "
                 f"built ({llama_cpp.require().version}):\n\n    {line}\n\n{readme}")
         with staged(out, fmt, validate, text) as tmp:
-            _convert(hf, tmp / GGUF_NAME, tdir if kind == "eagle3" else None)
+            _convert(hf, tmp / GGUF_NAME, tdir if form.needs_target_dir else None)
     return {**summary(fmt, src, out, target, [], {"gguf": str(out / GGUF_NAME), "serve_line": line}),
             "aux_layer_ids_written": cfg.get("aux_layers")}
 
 
-def validate_llama_cpp(out_dir, kind: str, cfg: dict | None = None) -> list[str]:
+def validate_llama_cpp(out_dir, fmt: str, cfg: dict | None = None) -> list[str]:
     path = Path(out_dir) / GGUF_NAME
-    if not path.is_file():
-        return [f"{path} is missing"]
-    return gguf_problems(path, kind, cfg) if cfg is not None else []
+    return gguf_problems(path, fmt, cfg) if path.is_file() else [f"{path} is missing"]
 
 
 def export_llama_cpp_eagle3(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False,
                             readme: str = "") -> dict:
-    return _export("llama.cpp-eagle3", "eagle3", src_dir, out_dir, target_name, overwrite, readme)
+    return _export("llama.cpp-eagle3", src_dir, out_dir, target_name, overwrite, readme)
 
 
 def export_llama_cpp_draft(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False,
                            readme: str = "") -> dict:
-    return _export("llama.cpp-draft", "draft", src_dir, out_dir, target_name, overwrite, readme)
+    return _export("llama.cpp-draft", src_dir, out_dir, target_name, overwrite, readme)
 
 
 def validate_llama_cpp_eagle3(out_dir) -> list[str]:
-    return validate_llama_cpp(out_dir, "eagle3")
+    return validate_llama_cpp(out_dir, "llama.cpp-eagle3")
 
 
 def validate_llama_cpp_draft(out_dir) -> list[str]:
-    return validate_llama_cpp(out_dir, "draft")
+    return validate_llama_cpp(out_dir, "llama.cpp-draft")
