@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GGUF=models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
-HEAD=${HEAD:-runs/smollm2-eagle3}
+HEAD=${HEAD:-runs/smollm2-eagle3/best}  # a checkpoint dir (spectrain eval loads it; export takes it too)
 OUT=${OUT:-runs/engine-study}
 N=${N:-8}
 TOKENS=${TOKENS:-64}
@@ -35,5 +35,6 @@ python -m spectrain eval --target "$GGUF" --drafter "$HEAD" "${PROMPTS[@]}" $OWN
 echo "own eval took ${SECONDS}s"; fi
 if has engine-eval; then stage engine-eval
 python -m spectrain eval --engine llama.cpp --target "$GGUF" --drafter "$OUT/head-gguf" --drafter ngram \
-    "${PROMPTS[@]}" --temperature 0 --temperature 1 "${KARGS[@]}" --threads 2 --conform-to "$OUT/own/report.json" --out "$OUT/engine" --force
+    "${PROMPTS[@]}" --temperature 0 --temperature 1 "${KARGS[@]}" --threads 2 \
+    $([ -f "$OUT/own/report.json" ] && echo --conform-to "$OUT/own/report.json") --out "$OUT/engine" --force
 echo "engine eval took ${SECONDS}s"; fi

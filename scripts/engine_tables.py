@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from spectrain.eval import conformance
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "eval" / "reference" / "engine_smollm2.json"
 
@@ -56,6 +58,9 @@ def curve_table(meta: dict) -> dict:
 def main(study: str) -> int:
     rep = json.loads((Path(study) / "engine" / "report.json").read_text())
     meta, records = rep["meta"], rep["records"]
+    if "conformance" not in meta:  # the engine eval ran without --conform-to: pair with OUT/own afterwards
+        own = conformance.load_records(Path(study) / "own" / "report.json")
+        meta["conformance"] = {"rows": conformance.alpha_rows(own, records), "greedy_agreement": None}
     agree = meta["conformance"]["greedy_agreement"]
     data = {"provenance": {"what": "SmolLM2-135M-Instruct Q4_1 in llama.cpp with a spectrain EAGLE-3 head and the "
                                    "engine's n-gram mode, beside spectrain's own evaluator (scripts/engine_study.sh)",

@@ -242,6 +242,9 @@ TABLES: dict[str, tuple[str, object]] = {
     "gpu_check_h200_crossover": ("eval/reference/gpu_check_h200.json", _stored_table("gpu_check_h200_crossover")),
     "bf16_divergence": ("eval/reference/bf16_cpu.json", _stored_table("bf16_divergence")),
     "bf16_head_acceptance": ("eval/reference/bf16_cpu.json", _stored_table("bf16_head_acceptance")),
+    "engine_speed": ("eval/reference/engine_smollm2.json", _stored_table("engine_speed")),
+    "engine_conformance": ("eval/reference/engine_smollm2.json", _stored_table("engine_conformance")),
+    "engine_cost_curve": ("eval/reference/engine_smollm2.json", _stored_table("engine_cost_curve")),
     **{name: (QS, _stored_table(name)) for name in QS_TABLES},
     **{name: (SQ, _stored_table(name)) for name in SQ_TABLES},
 }

@@ -164,6 +164,8 @@ def main(args) -> int:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if not args.target or not str(args.target).endswith(".gguf") or not Path(args.target).is_file():
         raise ValueError(f"--engine llama.cpp needs --target T.gguf (a local GGUF file), got {args.target!r}")
+    if args.conform_to:  # read before the grid runs, not after it
+        conformance.load_records(args.conform_to)
     engine = llama_cpp.require()
     recipe = load_recipe(args.recipe) if args.recipe else None
     target = Path(args.target)
