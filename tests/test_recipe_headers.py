@@ -80,7 +80,8 @@ def test_header_commands_are_valid(name, path, monkeypatch, capsys):
         if shape is not None:  # not reachable here: stand in the published shape, the tokenizer and a data size
             monkeypatch.setattr(check, "_check_target", lambda r, s=shape: (LlamaConfig(**s), ref_tok))
             monkeypatch.setattr(check, "_check_data", lambda r, tok: [])
+            monkeypatch.setattr(check, "_missing_cache", lambda r: "")  # the feature cache: data, stood in too
             monkeypatch.setattr(check, "data_size", lambda r, tok: plan.DataSize(50_000, 500, 1200))
             monkeypatch.setattr(check, "_student_config", lambda r: LlamaConfig(**STUDENT) if r.drafter.draft.model else None)
-        rc = check.main(args.recipe, args.overrides, getattr(args, "plan", ""), getattr(args, "mfu", None))
+        rc = check.main(args.recipe, args.overrides, getattr(args, "plan", None), getattr(args, "mfu", None))
         assert rc == 0, f"{name}: `spectrain {' '.join(argv)}` fails check: {capsys.readouterr().err}"
