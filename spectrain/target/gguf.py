@@ -45,6 +45,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from spectrain.io.cache import cache_root as shared_cache_root
 from spectrain.io.integrity import MANIFEST, IntegrityError, problems, read_manifest, seal, sha256
 
 MARKER = "spectrain_gguf.json"
@@ -68,7 +69,7 @@ KNOWN_TARGETS = {
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SPECTRAIN_CACHE_DIR") or "~/.cache/spectrain").expanduser()
+    return shared_cache_root()  # one definition for every cache (spectrain/io/cache.py)
 
 
 def split_gguf(name_or_path: str, gguf_file: str = "") -> tuple[str, str] | None:
