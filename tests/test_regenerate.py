@@ -285,3 +285,57 @@ def test_command_line_arguments(setup):
     rows = _rows(out)
     assert [r["id"] for r in rows] == ["two-turn", "one"]
     assert all(len(m["content"]) > 0 for r in rows for m in r["messages"])
+
+
+def test_temperature_mix_rows_equal_their_single_temperature_runs(setup, greedy):
+    """A mix (0, 3) answers each row exactly as a run at that row's temperature alone (same seed), and the row
+    records which temperature wrote it; the choice follows the id, so both kinds occur here."""
+    mixed, _ = _run(setup, "mix", temperature=[0.0, 3.0], seed=1)
+    hot, _ = _run(setup, "mix-hot", temperature=3.0, seed=1)
+    by_t = {0.0: {r["id"]: r for r in _rows(greedy[0])}, 3.0: {r["id"]: r for r in _rows(hot)}}
+    rows = _rows(mixed)
+    assert {r["temperature"] for r in rows} == {0.0, 3.0}
+    for r in rows:
+        assert r["messages"] == by_t[r.pop("temperature")][r["id"]]["messages"]
+
+
+def test_shuffle_orders_by_id_hash_and_skip_continues_an_earlier_n(setup, greedy):
+    whole, _ = _run(setup, "shuf", shuffle=True)
+    first, _ = _run(setup, "shuf-first", shuffle=True, n=2)
+    rest, _ = _run(setup, "shuf-rest", shuffle=True, skip=2)
+    ids = [r["id"] for r in _rows(whole)]
+    assert ids != [r["id"] for r in _rows(greedy[0])] and sorted(ids) == sorted(r["id"] for r in _rows(greedy[0]))
+    assert _rows(first) + _rows(rest) == _rows(whole)
+    with pytest.raises(ValueError, match="--skip 99: the data has only .* nothing is left"):
+        _run(setup, "shuf-none", shuffle=True, skip=99)
+
+
+def test_temperature_flag_parses_a_mix_and_names_bad_values():
+    assert rg._temperatures("0.7") == 0.7 and rg._temperatures("0,1") == [0.0, 1.0]
+    with pytest.raises(Exception, match="comma-separated list"):
+        rg._temperatures("0,hot")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        RegenConfig(temperature=[0.0, -1.0]).validate()
+    with pytest.raises(ValueError, match="--skip -1"):
+        RegenConfig(skip=-1).validate()
+
+
+def test_server_requests_carry_the_rows_temperature_and_a_seed_only_when_sampling():
+    from spectrain.data import regen_server as rs
+
+    class Client:
+        cfg = rs.ServerConfig(urls=["http://x"], model="m")
+        bodies: list = []
+
+        def complete(self, body):
+            self.bodies.append(body)
+            return {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}], "usage": {"completion_tokens": 1}}
+
+    cfg = RegenConfig(temperature=[0.0, 1.0], seed=3)
+    rows = [{"id": f"r{i}", "messages": _msgs(("user", "hi"), ("assistant", "x"))} for i in range(12)]
+    client = Client()
+    outs = [rs.answer_row(client, r, cfg, {})[0] for r in rows]
+    for out, body in zip(outs, client.bodies):
+        assert body["temperature"] == out["temperature"] == cfg.row_temperature(out["id"])
+        assert ("seed" in body) == (body["temperature"] > 0)
+    assert {o["temperature"] for o in outs} == {0.0, 1.0}

@@ -15,6 +15,7 @@ from spectrain.data.regen_server import (
     REASONING_MODES,
     _row_seed,
     apply_reasoning,
+    row_record,
 )
 from spectrain.decoding.left_padded import left_padded_decode
 from spectrain.decoding.sampling import Sampler
@@ -24,23 +25,39 @@ from spectrain.decoding.step import resolve_eos
 @dataclass
 class RegenConfig:
     max_new_tokens: int = 512
-    temperature: float = 0.0
+    temperature: float | list[float] = 0.0  # a list = a mix: each row draws one by its id (row_temperature)
     seed: int = 0
     batch_size: int = 8
     n: int | None = None  # None = every conversation
     chat_template_kwargs: dict = field(default_factory=dict)  # the recipe's data.chat_template_kwargs + the flag
     reasoning: str = "keep"  # keep | strip <think>...</think> (spectrain/data/regen_server.py)
+    shuffle: bool = False  # answer the rows in a seeded order (a hash of seed and id): any prefix is a uniform sample
+    skip: int = 0  # leave out the first `skip` rows (after the shuffle): a later run continues an earlier --n
+
+    def row_temperature(self, row_id: str) -> float:
+        """The row's temperature: the one given, or for a mix the entry the (seed, id) hash picks."""
+        if not isinstance(self.temperature, list):
+            return self.temperature
+        return self.temperature[_row_seed(self.seed, f"temperature:{row_id}", 0) % len(self.temperature)]
 
     def validate(self) -> RegenConfig:
         if self.reasoning not in REASONING_MODES:
             raise ValueError(f"--reasoning {self.reasoning}: use one of {', '.join(REASONING_MODES)}")
         for bad, msg in ((self.n is not None and self.n <= 0, f"--n {self.n}: must be > 0 (omit it for all rows)"),
                          (self.max_new_tokens <= 0, f"--max-new-tokens {self.max_new_tokens}: must be > 0"),
-                         (self.temperature < 0, f"--temperature {self.temperature}: must be >= 0 (0 = greedy)"),
+                         (min(_as_list(self.temperature)) < 0,
+                          f"--temperature {self.temperature}: must be >= 0 (0 = greedy)"),
+                         (self.skip < 0, f"--skip {self.skip}: must be >= 0"),
                          (self.batch_size <= 0, f"--batch-size {self.batch_size}: must be > 0")):
             if bad:
                 raise ValueError(msg)
         return self
+
+
+def _as_list(t: float | list[float]) -> list[float]:
+    if isinstance(t, list) and not t:
+        raise ValueError("--temperature: give a value or a comma-separated mix such as 0,1")
+    return t if isinstance(t, list) else [t]
 
 
 _RANK_COUNTS = ("resumed", "shortened", "answers", "truncated", "tokens", "gen_time_s")
@@ -163,8 +180,7 @@ def regenerate_batch(target, rows: list[dict], cfg: RegenConfig, stop: set[int],
         if not active:
             continue
         t0 = time.perf_counter()
-        seeds = [_row_seed(cfg.seed, rows[k]["id"], turn) for k in active]
-        answers = generate_batch(target, prompts, seeds, cfg.max_new_tokens, cfg.temperature, stop)
+        answers = _answer_turn(target, [rows[k]["id"] for k in active], prompts, turn, cfg, stop)
         stats.gen_time_s += time.perf_counter() - t0
         for k, (ids, truncated) in zip(active, answers):
             stats.tokens += len(ids) + (not truncated)
@@ -178,8 +194,22 @@ def regenerate_batch(target, rows: list[dict], cfg: RegenConfig, stop: set[int],
             stats.answers += 1
             stats.truncated += int(truncated)
             convs[k].append({"role": "assistant", "content": text})
-    return [{"id": r["id"], "_skipped": c} if isinstance(c, str) else {"id": r["id"], "messages": c}
+    return [{"id": r["id"], "_skipped": c} if isinstance(c, str) else row_record(r["id"], c, cfg)
             for r, c in zip(rows, convs)]
+
+
+def _answer_turn(target, ids: list[str], prompts: list[list[int]], turn: int, cfg: RegenConfig, stop: set[int]
+                 ) -> list[tuple[list[int], bool]]:
+    """One turn of a batch; under a temperature mix, one decode per temperature (a row's numbers do not depend
+    on its neighbours: per-row seeds)."""
+    temps = [cfg.row_temperature(i) for i in ids]
+    answers: list = [None] * len(ids)
+    for t in dict.fromkeys(temps):
+        group = [k for k, tk in enumerate(temps) if tk == t]
+        seeds = [_row_seed(cfg.seed, ids[k], turn) for k in group]
+        for k, a in zip(group, generate_batch(target, [prompts[k] for k in group], seeds, cfg.max_new_tokens, t, stop)):
+            answers[k] = a
+    return answers
 
 
 def _stop_row(convs: list, todo: list, k: int, turn: int, why: str, stats: RegenStats) -> None:

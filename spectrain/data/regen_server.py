@@ -328,6 +328,12 @@ def apply_reasoning(content: str, reasoning: str, mode: str) -> str:
     return content
 
 
+def row_record(row_id: str, conv: list[dict], regen) -> dict:
+    """A regenerated row; under a temperature mix it says which temperature wrote it."""
+    extra = {"temperature": regen.row_temperature(row_id)} if isinstance(regen.temperature, list) else {}
+    return {"id": row_id, "messages": conv, **extra}
+
+
 def answer_row(client: ChatClient, row: dict, regen, body_extra: dict) -> tuple[dict, Counter]:
     """Answer every assistant turn of one row in order -> (the row or a skip marker, counts).
     Raises ServerUnavailable when a turn gets no answer at all (the row is then retried on a rerun)."""
@@ -336,9 +342,10 @@ def answer_row(client: ChatClient, row: dict, regen, body_extra: dict) -> tuple[
     for turn, idx in enumerate(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"):
         conv += [dict(m) for m in msgs[start:idx]]
         start = idx + 1
+        temperature = regen.row_temperature(row["id"])
         body = {"model": client.cfg.model, "messages": conv, "max_tokens": regen.max_new_tokens,
-                "temperature": regen.temperature, **body_extra}
-        if regen.temperature > 0:
+                "temperature": temperature, **body_extra}
+        if temperature > 0:
             body["seed"] = _row_seed(regen.seed, row["id"], turn) % 2**31
         try:
             text, truncated, tokens = _parse(client.complete(body), regen.reasoning)
@@ -357,7 +364,7 @@ def answer_row(client: ChatClient, row: dict, regen, body_extra: dict) -> tuple[
         counts["answers"] += 1
         counts["truncated"] += int(truncated)
         conv.append({"role": "assistant", "content": text})
-    return {"id": row["id"], "messages": conv}, counts
+    return row_record(row["id"], conv, regen), counts
 
 
 def _parse(resp: dict, mode: str) -> tuple[str, bool, int]:

@@ -45,6 +45,7 @@ from spectrain.data.regen_server import (
     ServerConfig,
     ServerConfigError,
     _read_done,
+    _row_seed,
     write_part_server,
 )
 from spectrain.io.outputs import check_file_placement, exclusive_lock, open_nofollow, write_text_safe
@@ -164,10 +165,18 @@ def _check_out(out: Path, recipe=None, part: Path | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
-def _load_rows(recipe, n: int | None):
-    """The recipe's conversations, read as training reads them."""
+def _load_rows(recipe, cfg: RegenConfig):
+    """The recipe's conversations, read as training reads them, then ordered (--shuffle) and cut (--skip, --n)."""
+    n = None if cfg.shuffle or cfg.skip else cfg.n  # a cut after reordering needs every row first
     limit = min(x for x in (n, recipe.data.max_rows) if x) if n or recipe.data.max_rows else 0
-    return load_conversations(recipe.data.train_files, recipe.data.format, limit)
+    rows, report = load_conversations(recipe.data.train_files, recipe.data.format, limit)
+    if cfg.shuffle:  # by a hash, not a permutation of positions: a row keeps its place when others are added
+        rows = sorted(rows, key=lambda r: _row_seed(cfg.seed, f"order:{r['id']}", 0))
+    if cfg.shuffle or cfg.skip:
+        rows = rows[cfg.skip:cfg.skip + cfg.n if cfg.n else None]
+        if not rows:
+            raise ValueError(f"--skip {cfg.skip}: the data has only {report.kept} usable rows; nothing is left")
+    return rows, report
 
 
 def _load_target(recipe, world: int):
@@ -197,7 +206,7 @@ def regenerate(recipe_path: str, overrides: list[str], out: str | Path, cfg: Reg
     if server is not None and world > 1:
         raise ValueError("--server: run one client process (it sends --concurrency requests at once), not "
                          f"{world} ranks under a launcher")
-    rows, report = _load_rows(recipe, cfg.n)
+    rows, report = _load_rows(recipe, cfg)
     meta = {"target": recipe.target.name_or_path, "dtype": recipe.target.dtype, "format": recipe.data.format,
             "train_files": list(recipe.data.train_files), "max_rows": recipe.data.max_rows,
             "input_sha256": _rows_digest(rows), "world_size": world, **asdict(cfg)}
@@ -272,8 +281,14 @@ def add_regenerate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .jsonl (rows {id, messages}; usable as data.train_files)")
     p.add_argument("--n", type=int, default=None, help="only the first N conversations (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="cap per answer (default 512); kept if hit")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--temperature", type=_temperatures, default=0.0, metavar="T[,T...]",
+                   help="0 = greedy (default); > 0 samples; a list (0,1) mixes: each row draws one by its id "
+                        "and the row records it")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (a row's stream: seed, id, turn)")
+    p.add_argument("--shuffle", action="store_true",
+                   help="answer rows in a seeded order (hash of seed, id): every prefix is a uniform sample")
+    p.add_argument("--skip", type=int, default=0, metavar="K",
+                   help="leave out the first K rows (after --shuffle): continue an earlier --n K run in a new file")
     p.add_argument("--batch-size", type=int, default=8, help="conversations decoded together (default 8)")
     p.add_argument("--chat-template-kwargs", default="{}", metavar="JSON",
                    help='extra chat-template arguments, e.g. \'{"enable_thinking": false}\' (merged over the '
@@ -302,9 +317,19 @@ def _template_kwargs(text: str) -> dict:
     return value
 
 
+def _temperatures(text: str) -> float | list[float]:
+    """--temperature: one value, or a comma-separated mix."""
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number or a comma-separated list such as 0,1") from None
+    return values[0] if len(values) == 1 else values
+
+
 def main(args: argparse.Namespace) -> int:
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                      batch_size=args.batch_size, n=args.n, reasoning=args.reasoning,
+                      batch_size=args.batch_size, n=args.n, reasoning=args.reasoning, shuffle=args.shuffle,
+                      skip=args.skip,
                       chat_template_kwargs=_template_kwargs(args.chat_template_kwargs))
     server = None
     if args.server:
