@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from spectrain import load_target
-from spectrain.decoding.loop import DecodeStats, plain_generate, speculative_generate
+from spectrain.decoding.loop import plain_generate, speculative_generate
+from spectrain.decoding.stats import DecodeStats
 from spectrain.drafters.draft_lm import DraftLMDrafter
 from spectrain.drafters.ngram import NgramDrafter
 

@@ -72,7 +72,7 @@ def build(recipe_path: str, overrides: list[str], n_batches: int):
     from spectrain.data.dataset import build_dataset, token_frequencies
     from spectrain.data.features import _pad_id
     from spectrain.recipe.load import load_recipe
-    from spectrain.target.model import load_target
+    from spectrain.targets.model import load_target
 
     recipe = load_recipe(recipe_path, overrides)
     target = load_target(recipe.target.name_or_path, dtype=recipe.target.dtype,

@@ -23,7 +23,7 @@ from spectrain.drafters import load_drafter
 from spectrain.eval import divergence
 from spectrain.eval.greedy_check import top2_margin
 from spectrain.eval.prompts import encode_prompts, load_prompt_set
-from spectrain.target.model import load_target
+from spectrain.targets.model import load_target
 
 SETTINGS = {"bf16, fp32 logits": ("bfloat16", True), "bf16, bf16 logits": ("bfloat16", False),
             "fp32": ("float32", True)}

@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=1e-5)
     a = ap.parse_args()
     from spectrain.drafters import load_drafter
-    from spectrain.target.model import load_target
+    from spectrain.targets.model import load_target
 
     keep = os.environ.get("SPECTRAIN_KEEP_RECORD")
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG, OUT = ROOT / "spectrain", ROOT / "docs" / "layout.md"
-FOLDERS = ["", "io", "engines", "recipe", "target", "decoding", "data", "drafters", "drafters/eagle3", "train", "eval", "export"]
+FOLDERS = ["", "io", "engines", "recipe", "targets", "decoding", "data", "drafters", "drafters/eagle3", "train", "eval", "export"]
 INTRO = """# Package layout
 
-The folders are the pipeline: `recipe/` (what to run) -> `target/` (the frozen model) -> `data/` (rows and
+The folders are the pipeline: `recipe/` (what to run) -> `targets/` (the frozen model) -> `data/` (rows and
 features) -> `drafters/` (the families) -> `train/` (the one loop) and `decoding/` (the lossless decoder) -> `eval/`
 (reports) -> `export/` (serving formats); `io/` lies beneath them all, with `engines/` (real serving engines:
 fetched, built, run as servers; torch-free) just above it, and `cli.py` above everything. A lower layer never imports
@@ -36,7 +36,7 @@ RECORD_29 = """## The family record, the tree once, stale names (issue 29)
 What moved where:
 
 - Branches on a family's name became hooks or capabilities of its record (`registry.Family`): target checks
-  (train/preflight.py) -> `preflight` (`drafters/eagle3/layout.py`, `drafters/draft_lm_checks.py`); the plan's
+  (train/check.py) -> `preflight` (`drafters/eagle3/layout.py`, `drafters/draft_lm_checks.py`); the plan's
   cost formulas (train/plan.py) -> `cost` + `cost_config` (a family without one gets no plan, not the draft-model
   formula); default k and serve commands (export/serving.py) -> `serve_k` + `serve` (`export/eagle3.py`,
   `export/medusa.py`, `export/hf_draft.py`) and the format -> engines table -> `engines`; which engines compute a
@@ -84,15 +84,30 @@ acc_t1_i, sim_tau, sim_tau_t1, losses: the shared metrics helper computes exactl
 EAGLE-3 96 tensors in 6 files and 659 metric values; Medusa 72 tensors and 549 values; draft model 120 tensors and
 329 values, all identical. The same holds against the commit this change started from (3a922b5) on this CPU."""
 
+NAMES_29 = """## Names: one meaning per word (issue 29)
+
+| before | after | why |
+|---|---|---|
+| `spectrain/target/` (package) | `spectrain/targets/` | `target/` is an unanchored rule of the common Python gitignore template: a new module there was silently left out of `git add`. `spectrain/target.py` keeps `from spectrain.target import load_target` working (the shared anchors harness imports it) |
+| `train/engine.py` | `train/distributed.py` | it is the distributed set-up (accelerate, DDP / FSDP / DeepSpeed, the target placed to match); "engine" now means a serving engine only (`engines/`, `recipe/deploy.py`, `eval --engine`) |
+| `train/preflight.py` | `train/check.py` | it is `spectrain check` |
+| `DecodeStats`, `SpecOutput` in `decoding/step.py` | `decoding/stats.py` | the decode counters, apart from the step they count |
+| `Eagle3Drafter` (the trained `nn.Module`) | `Eagle3Head` | a drafter is the decode-side object (`decoding/interface.Drafter`); the trained module is a head, like `MedusaHeads`. `spectrain.drafters.eagle3.Eagle3Drafter` stays as an alias (the anchors harness) |
+| `train/plan.Drafter`, `drafter_shape` | `TrainingCost`, `training_cost` | the record holds what training a drafter costs per token, not a drafter |
+| "engine" for accelerate backends in `train/` messages | "distributed backend" | same reason as `train/distributed.py` |
+
+`Family.drafter` keeps its name: it loads the decode-side drafter. `DraftStudent` (the draft model's module) and
+`MedusaHeads` already say what they hold."""
+
 # the flat layout before the split (spectrain/*.py) -> where each module went
 MOVED = {
     "errors": "io/errors", "integrity": "io/integrity", "outputs": "io/outputs", "resources": "io/resources",
     "progress": "io/progress", "safe_resume": "io/safe_resume", "recipe": "recipe/schema, recipe/load",
-    "serving": "export/serving, recipe/deploy", "check": "train/preflight", "plan": "train/plan, io/disk",
-    "target": "target/model, target/fingerprint", "gguf_target": "target/gguf", "data": "data/chat, data/dataset",
+    "serving": "export/serving, recipe/deploy", "check": "train/check", "plan": "train/plan, io/disk",
+    "target": "targets/model, targets/fingerprint", "gguf_target": "targets/gguf", "data": "data/chat, data/dataset",
     "regenerate": "data/regenerate, data/generate", "regen_server": "data/regen_server", "features": "data/features",
     "packing": "data/packing", "train": "train/loop, train/setup, train/schedule, train/metrics",
-    "engine": "train/engine", "sources": "train/sources", "checkpoint": "train/checkpoint, train/run_dir",
+    "engine": "train/distributed", "sources": "train/sources", "checkpoint": "train/checkpoint, train/run_dir",
     "tracking": "train/tracking", "launch": "train/launch", "on_policy": "train/on_policy",
     "losses": "drafters/losses", "decoding": "decoding/loop, decoding/step, decoding/kv_cache",
     "batched": "decoding/batched, decoding/kv_cache, decoding/masks", "acceptance": "decoding/acceptance",
@@ -119,6 +134,7 @@ def render() -> str:
     out += [RECORD_29, ""]
     out += ["## Old path -> new path", ""]
     out += [f"- `{old}.py` -> " + ", ".join(f"`{n.strip()}.py`" for n in new.split(",")) for old, new in MOVED.items()]
+    out += ["", NAMES_29]  # after the old -> new heading: old names on purpose
     return "\n".join(out) + "\n"
 
 

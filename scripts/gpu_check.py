@@ -80,7 +80,7 @@ def model_flops_per_step(target, drafter: nn.Module, tokens: int, seq: int, ttt:
 def synthetic_target(size: str, device: str, dtype: torch.dtype, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from spectrain.target.model import FrozenTarget
+    from spectrain.targets.model import FrozenTarget
 
     cfg = LlamaConfig(max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, **SIZES[size])
     torch.manual_seed(seed)
@@ -230,7 +230,7 @@ def lossless_one(target, drafter_spec: str, prompts, max_new: int, k: int) -> di
 
 
 def cmd_lossless(a) -> int:
-    from spectrain.target.model import load_target
+    from spectrain.targets.model import load_target
 
     device = a.device
     if device == "cuda" and not torch.cuda.is_available():

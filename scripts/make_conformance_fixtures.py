@@ -190,10 +190,10 @@ def spectrain_variant(out: Path, name: str, target_dir: Path, ids, aux, meta: di
     sys.path.insert(0, str(REPO))
     from transformers import LlamaForCausalLM
 
-    from spectrain.drafters.eagle3.model import Eagle3Drafter
+    from spectrain.drafters.eagle3.model import Eagle3Head
     from spectrain.export import export
     from spectrain.recipe.schema import Recipe
-    from spectrain.target.model import FrozenTarget
+    from spectrain.targets.model import FrozenTarget
 
     target = FrozenTarget(LlamaForCausalLM.from_pretrained(str(target_dir)).eval(), tokenizer=None,
                           name_or_path=str(target_dir))
@@ -202,7 +202,7 @@ def spectrain_variant(out: Path, name: str, target_dir: Path, ids, aux, meta: di
     for k, v in SPECTRAIN_VARIANTS[name].items():
         setattr(r.drafter.eagle3, k, v)
     torch.manual_seed(5)
-    head = Eagle3Drafter.from_recipe(r, target, torch.randint(0, 1000, (128,)))
+    head = Eagle3Head.from_recipe(r, target, torch.randint(0, 1000, (128,)))
     g = torch.Generator().manual_seed(6)
     with torch.no_grad():
         for pname, p in head.named_parameters():

@@ -38,7 +38,7 @@ stage() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; SECONDS=0; }
 done_in() { echo "== $1 took ${SECONDS}s"; }
 mkdir -p "$W" "$W/lr1e-3" "$W/lk" "$W/medusa" "$W/draftdiv"
 # speculators reads an HF dir: the GGUF's dequantized copy (written by `spectrain target fetch smollm2-135m`)
-HFD=$(python -c "from spectrain.target.gguf import resolve_target_path as r; print(r('models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf'))")
+HFD=$(python -c "from spectrain.targets.gguf import resolve_target_path as r; print(r('models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf'))")
 sed "s#name_or_path: models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf#name_or_path: $HFD#" \
   recipes/smollm2-135m/eagle3.yaml > "$W/eagle3_hfdir.yaml"
 

@@ -5,7 +5,7 @@ from spectrain.io.resources import VERSION as __version__
 __all__ = ["FrozenTarget", "load_target", "load_drafter", "speculative_generate", "plain_generate", "__version__"]
 
 # Lazy: `import spectrain` (and so `spectrain --help`) must not pay for torch and transformers.
-_LAZY = {"FrozenTarget": "spectrain.target.model", "load_target": "spectrain.target.model",
+_LAZY = {"FrozenTarget": "spectrain.targets.model", "load_target": "spectrain.targets.model",
          "speculative_generate": "spectrain.decoding.loop",
          "plain_generate": "spectrain.decoding.loop", "load_drafter": "spectrain.drafters"}
 

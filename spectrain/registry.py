@@ -193,7 +193,7 @@ def format_engines(fmt: str) -> tuple[str, ...]:
 
 _D, _E = "spectrain.drafters.", "spectrain.export."
 register(Family(
-    "eagle3", "EAGLE-3 heads", head=_D + "eagle3.model:Eagle3Drafter", build=_D + "eagle3.interop:build",
+    "eagle3", "EAGLE-3 heads", head=_D + "eagle3.model:Eagle3Head", build=_D + "eagle3.interop:build",
     drafter=_D + "eagle3.decode:load", features=_D + "eagle3.layout:features_for",
     exports={"vllm-eagle3": (_E + "eagle3:export_vllm_eagle3", _E + "eagle3:validate_vllm_eagle3"),
              "sglang-eagle3": (_E + "eagle3:export_sglang_eagle3", _E + "eagle3:validate_sglang_eagle3"),

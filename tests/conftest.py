@@ -34,7 +34,7 @@ def make_tiny_model(arch: str = "llama", tied: bool = False, vocab_size: int = 1
 
 
 def make_tiny_target(arch: str = "llama", tied: bool = False, **kw):
-    from spectrain.target.model import FrozenTarget
+    from spectrain.targets.model import FrozenTarget
 
     return FrozenTarget(make_tiny_model(arch, tied, **kw), tokenizer=None, name_or_path=f"tiny-{arch}")
 

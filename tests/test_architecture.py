@@ -18,7 +18,7 @@ LAYERS = [
     ["spectrain.registry", "spectrain.io"],
     ["spectrain.engines"],
     ["spectrain.recipe"],
-    ["spectrain.target"],
+    ["spectrain.targets"],
     ["spectrain.decoding"],
     ["spectrain.data"],
     ["spectrain.drafters"],

@@ -983,7 +983,7 @@ def _changed_target(world: Path, dst: Path, copy: bool = True) -> Path:
 
 def test_target_fingerprint_covers_every_layer_and_resume_refuses_another_target(world, target, tmp_path, capsys):
     from spectrain import load_target
-    from spectrain.target.fingerprint import (
+    from spectrain.targets.fingerprint import (
         FINGERPRINT_PREFIX,
         legacy_fingerprint,
         same_target,

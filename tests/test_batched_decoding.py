@@ -20,10 +20,11 @@ import spectrain.decoding.acceptance as acceptance
 import spectrain.decoding.batched as batched
 import spectrain.decoding.kv_cache as kv_cache
 from spectrain.decoding.interface import Drafter, Proposal
-from spectrain.decoding.loop import DecodeStats, plain_generate, speculative_generate
+from spectrain.decoding.loop import plain_generate, speculative_generate
+from spectrain.decoding.stats import DecodeStats
 from spectrain.drafters.draft_lm import DraftLMDrafter
 from spectrain.drafters.eagle3.decode import Eagle3Proposer
-from spectrain.drafters.eagle3.model import Eagle3Drafter
+from spectrain.drafters.eagle3.model import Eagle3Head
 from spectrain.drafters.medusa import MedusaHeads, MedusaProposer
 from spectrain.drafters.ngram import NgramDrafter
 from spectrain.recipe.schema import Recipe
@@ -36,7 +37,7 @@ def eagle3(target, draft_vocab_size=100, seed=0):
     r.drafter.eagle3.draft_vocab_size = min(draft_vocab_size, target.vocab_size)
     torch.manual_seed(seed)
     counts = torch.randint(0, 1000, (target.vocab_size,))
-    return Eagle3Proposer(Eagle3Drafter.from_recipe(r, target, counts), target)
+    return Eagle3Proposer(Eagle3Head.from_recipe(r, target, counts), target)
 
 
 def medusa(target, num_heads=4, perturb=0.3, seed=0):
@@ -183,7 +184,7 @@ def test_sliding_window_and_eager_batched():
         assert [o.tokens for o in outs] == refs
     model = make_tiny_model("llama")
     model.set_attn_implementation("eager")
-    from spectrain.target.model import FrozenTarget
+    from spectrain.targets.model import FrozenTarget
 
     target = FrozenTarget(model)
     refs = [hf_greedy(target, p, 16, eos=[]) for p in PROMPTS]

@@ -23,8 +23,8 @@ from spectrain.decoding.loop import speculative_generate
 from spectrain.drafters import load_drafter
 from spectrain.drafters.eagle3.decode import Eagle3Proposer
 from spectrain.drafters.eagle3.interop import import_eagle3
-from spectrain.drafters.eagle3.model import LAYOUT_FLAGS, Eagle3Drafter
-from spectrain.target.model import FrozenTarget
+from spectrain.drafters.eagle3.model import LAYOUT_FLAGS, Eagle3Head
+from spectrain.targets.model import FrozenTarget
 
 torch.set_num_threads(1)
 FIX = Path(__file__).parent / "fixtures" / "conformance"
@@ -41,7 +41,7 @@ def fixture_target(root: Path) -> FrozenTarget:
     return FrozenTarget(model, tokenizer=None, name_or_path=str(root / "target"))
 
 
-def ttt_diff(head: Eagle3Drafter, target, root: Path, logits: torch.Tensor) -> float:
+def ttt_diff(head: Eagle3Head, target, root: Path, logits: torch.Tensor) -> float:
     """Max |spectrain TTT logits - recorded logits| over every step i and anchor t <= n-2-i (speculators' anchor t
     is its position t of the shifted batch; both see input token x_{t+1+i} and aux features g_t)."""
     inp = load_file(str(root / "inputs.safetensors"))
@@ -117,7 +117,7 @@ def test_speculators_default_layout_is_what_its_trainer_writes():
 @pytest.mark.parametrize("variant", SPECTRAIN_VARIANTS)
 def test_speculators_logits_on_spectrain_export_equal_spectrain(target, variant):
     d = FIX / f"spectrain_{variant}"
-    head = Eagle3Drafter.from_pretrained(d / "head", target)
+    head = Eagle3Head.from_pretrained(d / "head", target)
     assert ttt_diff(head, target, FIX, recorded(d)) <= TOL
     back = import_eagle3(d / "export", target)  # export -> import is the identity
     assert back.layout == head.layout and back.aux_layers == head.aux_layers
@@ -130,7 +130,7 @@ def test_sglang_export_read_by_speculators_converter(target):
     sglang-eagle3 export (recorded when the fixtures were made), and spectrain imports it back identically."""
     meta = json.loads((FIX / "meta.json").read_text())
     assert meta["spectrain_plain"]["sglang_via_speculators_converter_max_abs"] <= TOL
-    head = Eagle3Drafter.from_pretrained(FIX / "spectrain_plain" / "head", target)
+    head = Eagle3Head.from_pretrained(FIX / "spectrain_plain" / "head", target)
     back = import_eagle3(FIX / "spectrain_plain" / "sglang", target)
     assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), back.state_dict().values()))
 
@@ -196,5 +196,5 @@ def test_real_speculators_package_regenerates_conformance(tmp_path):
         assert ttt_diff(load_drafter(root / f"speculators_{v}", target).model, target, root,
                         recorded(root / f"speculators_{v}")) <= TOL
     for v in SPECTRAIN_VARIANTS:
-        head = Eagle3Drafter.from_pretrained(root / f"spectrain_{v}" / "head", target)
+        head = Eagle3Head.from_pretrained(root / f"spectrain_{v}" / "head", target)
         assert ttt_diff(head, target, root, recorded(root / f"spectrain_{v}")) <= TOL

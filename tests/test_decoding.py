@@ -7,7 +7,8 @@ import torch
 from conftest import make_tiny_model, make_tiny_target
 
 from spectrain.decoding.interface import Drafter, Proposal
-from spectrain.decoding.loop import DecodeStats, plain_generate, speculative_generate
+from spectrain.decoding.loop import plain_generate, speculative_generate
+from spectrain.decoding.stats import DecodeStats
 from spectrain.drafters.draft_lm import DraftLMDrafter
 from spectrain.drafters.ngram import NgramDrafter
 
@@ -126,7 +127,7 @@ def test_sliding_window_chain_and_tree():
 def test_eager_attention_tree():
     model = make_tiny_model("llama")
     model.set_attn_implementation("eager")
-    from spectrain.target.model import FrozenTarget
+    from spectrain.targets.model import FrozenTarget
 
     target = FrozenTarget(model)
     ref = hf_greedy(target, PROMPTS[0], 16, eos=[])

@@ -351,7 +351,7 @@ def test_a_stale_jit_build_lock_is_named_instead_of_hanging(tmp_path, monkeypatc
     run lost 30 minutes to this). The loop names the file before Accelerator() starts DeepSpeed; a fresh lock
     (another rank building right now) is left alone."""
     from spectrain.recipe.load import recipe_from_dict
-    from spectrain.train.engine import STALE_BUILD_LOCK_S, make_accelerator, refuse_stale_build_locks
+    from spectrain.train.distributed import STALE_BUILD_LOCK_S, make_accelerator, refuse_stale_build_locks
 
     lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)

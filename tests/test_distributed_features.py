@@ -161,8 +161,8 @@ def _fsdp_worker(out: str, tied: bool) -> int:
     import torch.distributed as dist
     from conftest import make_tiny_target
 
-    from spectrain.target.fingerprint import target_fingerprint
-    from spectrain.train.engine import shard_target_fsdp
+    from spectrain.targets.fingerprint import target_fingerprint
+    from spectrain.train.distributed import shard_target_fsdp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -177,7 +177,7 @@ def _fsdp_worker(out: str, tied: bool) -> int:
     # the drafter under FSDP2: the loop saves it from full_state_dict (every rank gathers)
     from test_eagle3 import make_head
 
-    from spectrain.train.engine import full_state_dict, is_sharded
+    from spectrain.train.distributed import full_state_dict, is_sharded
 
     head = make_head(ref)
     want = {k: v.clone() for k, v in head.state_dict().items()}

@@ -14,8 +14,8 @@ from spectrain.cli import main as cli_main
 from spectrain.decoding import loop
 from spectrain.decoding.interface import Drafter, Proposal
 from spectrain.eval.divergence import judge_divergence, logit_scale, summarize
-from spectrain.target import auto_dtype
-from spectrain.target.model import FrozenTarget, load_target
+from spectrain.targets import auto_dtype
+from spectrain.targets.model import FrozenTarget, load_target
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_measure_dtypes_times_both_and_leaves_the_fp32_model_alone():
 
 def test_load_target_auto_switches_to_bf16_and_reports_why(monkeypatch, world):
     choice = auto_dtype.decide(["avx512_bf16"], _seconds(0.08, 0.05), 6)
-    monkeypatch.setattr("spectrain.target.model.auto_cpu_dtype", lambda *a, **k: choice)
+    monkeypatch.setattr("spectrain.targets.model.auto_cpu_dtype", lambda *a, **k: choice)
     t = load_target(str(world / "target"), device="cpu")
     assert t.dtype == torch.bfloat16 and t.dtype_choice is choice and t.upcasts_logits()
     t = load_target(str(world / "target"), device="cpu", dtype="fp32")

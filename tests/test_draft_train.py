@@ -78,7 +78,7 @@ def test_layer_subset_equals_hand_built_model_with_sliced_layer_types():
                          num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
                          max_window_layers=4, max_position_embeddings=256)
     torch.manual_seed(0)
-    from spectrain.target.model import FrozenTarget
+    from spectrain.targets.model import FrozenTarget
 
     target = FrozenTarget(tf.Qwen2ForCausalLM(cfg).eval(), name_or_path="tiny-swa")
     layers = [1, 6]

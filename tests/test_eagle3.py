@@ -9,7 +9,7 @@ from conftest import make_tiny_target
 from spectrain.decoding.interface import DraftContext, TargetFeatures
 from spectrain.decoding.sampling import Sampler
 from spectrain.drafters.eagle3.decode import Eagle3Proposer, load
-from spectrain.drafters.eagle3.model import Eagle3Drafter, build_draft_vocab
+from spectrain.drafters.eagle3.model import Eagle3Head, build_draft_vocab
 from spectrain.drafters.losses import fkl
 from spectrain.recipe.schema import Recipe
 
@@ -34,7 +34,7 @@ def make_recipe(draft_vocab_size=96, ttt_steps=4, **eagle3):
 def make_head(target, seed=0, **kw):
     torch.manual_seed(seed)
     counts = torch.randint(0, 1000, (target.vocab_size,))
-    return Eagle3Drafter.from_recipe(make_recipe(**kw), target, counts)
+    return Eagle3Head.from_recipe(make_recipe(**kw), target, counts)
 
 
 def feats_of(target, head, ids, am=None):
@@ -225,13 +225,13 @@ def test_save_load_roundtrip_and_wrong_target(target, tmp_path):
     from safetensors.torch import load_file
 
     assert set(load_file(str(tmp_path / "model.safetensors"))) == EXPECTED_KEYS
-    again = Eagle3Drafter.from_pretrained(tmp_path, target)
+    again = Eagle3Head.from_pretrained(tmp_path, target)
     for k, v in head.state_dict().items():
         assert torch.equal(v, again.state_dict()[k]), k
     drafter = load(tmp_path, target)
     assert drafter.aux_layers == head.aux_layers and drafter.supports_tree
     with pytest.raises(ValueError, match="wrong target"):
-        Eagle3Drafter.from_pretrained(tmp_path, make_tiny_target("llama", hidden=48))
+        Eagle3Head.from_pretrained(tmp_path, make_tiny_target("llama", hidden=48))
 
 
 @pytest.mark.parametrize("tree", [None, {"topk": 3, "total_tokens": 12}])
@@ -354,6 +354,6 @@ def test_head_loaded_on_a_target_with_other_weights_warns(tmp_path):
     make_head(t1).save_pretrained(tmp_path / "head")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        Eagle3Drafter.from_pretrained(tmp_path / "head", t1)  # its own target: silent
+        Eagle3Head.from_pretrained(tmp_path / "head", t1)  # its own target: silent
     with pytest.warns(UserWarning, match="other weights"):
-        Eagle3Drafter.from_pretrained(tmp_path / "head", t2)
+        Eagle3Head.from_pretrained(tmp_path / "head", t2)

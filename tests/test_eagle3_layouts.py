@@ -13,7 +13,7 @@ from test_eagle3 import feats_of, make_head
 
 from spectrain import export as E
 from spectrain.drafters.eagle3.interop import import_eagle3
-from spectrain.drafters.eagle3.model import Eagle3Drafter
+from spectrain.drafters.eagle3.model import Eagle3Head
 from spectrain.recipe.load import recipe_from_dict
 
 torch.set_num_threads(1)
@@ -27,7 +27,7 @@ def target():
     return make_tiny_target("llama")
 
 
-def layout_head(target, flags: dict, seed: int = 0, **kw) -> Eagle3Drafter:
+def layout_head(target, flags: dict, seed: int = 0, **kw) -> Eagle3Head:
     head = make_head(target, seed=seed, **{"draft_vocab_size": 96, "ttt_steps": 2, **flags, **kw})
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # non-trivial norms and weights, so every flag moves the numbers
@@ -145,7 +145,7 @@ def test_layout_saved_and_reloaded(target, tmp_path):
     cfg = json.loads((tmp_path / "h" / "drafter_config.json").read_text())
     assert {k: cfg[k] for k in ALL_OFF} == {**ALL_OFF, **flags} and "input_norm.weight" in load_file(
         str(tmp_path / "h" / "model.safetensors"))
-    back = Eagle3Drafter.from_pretrained(tmp_path / "h", target)
+    back = Eagle3Head.from_pretrained(tmp_path / "h", target)
     assert back.layout == head.layout
 
 
@@ -173,7 +173,7 @@ def test_unsorted_checkpoint_sorted_with_fc_blocks(target, tmp_path):
 
     seal(tmp_path / "bad")  # export refuses an unsealed checkpoint
     with pytest.warns(UserWarning, match=r"not ascending; fc's input blocks were reordered to \[2, 4, 5\]"):
-        back = Eagle3Drafter.from_pretrained(tmp_path / "bad", target)
+        back = Eagle3Head.from_pretrained(tmp_path / "bad", target)
     assert back.aux_layers == [2, 4, 5] and torch.equal(back.fc.weight, head.fc.weight)
     s = E.export(tmp_path / "bad", "vllm-eagle3", tmp_path / "out")
     assert any("reordered" in w for w in s["warnings"]) and s["aux_layer_ids_written"] == [2, 4, 5]

@@ -8,7 +8,7 @@ import torch
 from conftest import make_tiny_target
 
 from spectrain.data.packing import PackedDocs, pack_rows
-from spectrain.drafters.eagle3.model import Eagle3Drafter
+from spectrain.drafters.eagle3.model import Eagle3Head
 from spectrain.recipe.load import load_recipe, recipe_from_dict
 from spectrain.recipe.schema import Recipe
 
@@ -21,7 +21,7 @@ def make_head(target, seed=0, vocab=96, **eagle3):
     for k, v in eagle3.items():
         setattr(r.drafter.eagle3, k, v)
     torch.manual_seed(seed)
-    return Eagle3Drafter.from_recipe(r, target, torch.randint(0, 1000, (target.vocab_size,)))
+    return Eagle3Head.from_recipe(r, target, torch.randint(0, 1000, (target.vocab_size,)))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_lm_head_from_target_rows_frozen_and_recorded(target, tmp_path):
     opt, params = build_optimizer(Recipe(), head, target)
     assert all(p is not head.lm_head.weight for p in params)
     head.save_pretrained(tmp_path / "h")
-    back = Eagle3Drafter.from_pretrained(tmp_path / "h", target)
+    back = Eagle3Head.from_pretrained(tmp_path / "h", target)
     assert not back.lm_head.weight.requires_grad and torch.equal(back.lm_head.weight, head.lm_head.weight)
     with_norm = make_head(target, lm_head_init="target_with_norm")
     assert torch.equal(with_norm.norm.weight, target.norm.weight) and with_norm.lm_head.weight.requires_grad
@@ -138,7 +138,7 @@ def test_recipe_keys_betas_threads_packing(tmp_path, monkeypatch):
             load_recipe("recipes/tiny/eagle3.yaml", [bad])
     with pytest.raises(ValueError, match="packing=true is implemented for drafter.kind=eagle3 only"):
         recipe_from_dict({"drafter": {"kind": "medusa"}, "training": {"packing": True}})
-    from spectrain.train.engine import resolve_num_threads
+    from spectrain.train.distributed import resolve_num_threads
 
     monkeypatch.delenv("SPECTRAIN_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -176,7 +176,7 @@ def test_training_loop_with_packing_matches_padded_and_frozen_head_stays(tmp_pat
         r = tiny_recipe(tmp_path / name, max_steps=2, packing=packing)
         r.drafter.eagle3.lm_head_init, r.drafter.eagle3.freeze_lm_head = "target", True
         T.train(r, target=target, train_rows=rows, heldout_rows=held)
-    head = Eagle3Drafter.from_pretrained(tmp_path / "pack" / "last", target)
+    head = Eagle3Head.from_pretrained(tmp_path / "pack" / "last", target)
     assert torch.equal(head.lm_head.weight, target.lm_head.weight[head.draft_ids])
     a, b = losses(tmp_path / "pad"), losses(tmp_path / "pack")
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2]

@@ -19,7 +19,7 @@ import pytest
 from spectrain.cli import main
 from spectrain.engines import llama_cpp
 from spectrain.io.cache import cache_root
-from spectrain.target.gguf import fetch as fetch_target
+from spectrain.targets.gguf import fetch as fetch_target
 
 pytestmark = pytest.mark.slow
 

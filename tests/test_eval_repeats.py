@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 import spectrain.eval.harness as harness
-from spectrain.decoding.loop import DecodeStats
+from spectrain.decoding.stats import DecodeStats
 from spectrain.eval.harness import DecodeConfig, progress_total, run_cells
 from spectrain.eval.prompts import PromptSet
 from spectrain.eval.report import make_record

@@ -182,7 +182,7 @@ def test_parse_tree():
 
 
 def test_record_formulas():
-    from spectrain.decoding.loop import DecodeStats
+    from spectrain.decoding.stats import DecodeStats
     from spectrain.eval.report import make_record
 
     s = DecodeStats(k=2, attempts=[10, 6], accepts=[6, 3], drafted=20, target_passes=10, emitted=19,

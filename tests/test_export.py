@@ -20,7 +20,7 @@ from test_medusa import final_hidden, make_heads
 from spectrain import export as E
 from spectrain.decoding.loop import speculative_generate
 from spectrain.drafters.eagle3.decode import Eagle3Proposer
-from spectrain.drafters.eagle3.model import Eagle3Drafter
+from spectrain.drafters.eagle3.model import Eagle3Head
 from spectrain.export import medusa as medusa_export
 from spectrain.io.integrity import seal
 
@@ -72,8 +72,8 @@ def rewrite(out: Path, weights: str, tensors=None, config=None) -> None:
 
 
 # ---- EAGLE-3 ---------------------------------------------------------------------------------
-def drafter_from_export(out: Path, fmt: str) -> Eagle3Drafter:
-    """Rebuild an Eagle3Drafter from the exported files only: config fields parsed by transformers' own
+def drafter_from_export(out: Path, fmt: str) -> Eagle3Head:
+    """Rebuild an Eagle3Head from the exported files only: config fields parsed by transformers' own
     LlamaConfig, names mapped back by hand, aux ids translated from the format's convention."""
     from transformers import LlamaConfig
 
@@ -91,7 +91,7 @@ def drafter_from_export(out: Path, fmt: str) -> Eagle3Drafter:
            "intermediate_size": hf.intermediate_size, "rms_norm_eps": hf.rms_norm_eps,
            "rope_parameters": dict(hf.rope_parameters), "max_position_embeddings": hf.max_position_embeddings,
            "ttt_steps": 3}
-    model = Eagle3Drafter(cfg, state["d2t"], state["t2d"])
+    model = Eagle3Head(cfg, state["d2t"], state["t2d"])
     model.load_state_dict(state, strict=True)
     return model.eval()
 

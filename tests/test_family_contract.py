@@ -31,7 +31,7 @@ from spectrain.io.integrity import seal
 from spectrain.recipe.load import load_recipe
 from spectrain.train import loop as T
 from spectrain.train import plan
-from spectrain.train.preflight import main as check_main
+from spectrain.train.check import main as check_main
 
 
 # ---- the whole fake family -----------------------------------------------------------------------------
@@ -175,10 +175,10 @@ def test_every_family_record_resolves(kind):
 
 
 # ---- the same family with its plan and serving hooks: parity with the built-ins, through the record alone ----
-def bigram_cost(recipe, t, student, seq) -> plan.Drafter:
+def bigram_cost(recipe, t, student, seq) -> plan.TrainingCost:
     rank = recipe.drafter.sections["bigram"].rank
     p = t.vocab * rank + rank * t.vocab + t.vocab  # a: [V, rank]; b: weight [V, rank] + bias [V]
-    return plan.Drafter(p, p, 6.0 * p, 4 * 4 * t.vocab, 0.0, 0)
+    return plan.TrainingCost(p, p, 6.0 * p, 4 * 4 * t.vocab, 0.0, 0)
 
 
 def serve_bigram(engine, target, model_dir, d, head) -> ServeCommand:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from spectrain.cli import main as cli_main
-from spectrain.target import gguf as G
+from spectrain.targets import gguf as G
 
 TINY = G.KnownTarget("spectrain-tiny-target==0.1", "spectrain_tiny_target/tiny.gguf", "MIT", "0" * 64, "0" * 64)
 GOOD = b"GGUF" + bytes(range(256)) * 4

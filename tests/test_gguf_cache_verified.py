@@ -16,8 +16,8 @@ pytest.importorskip("gguf", reason="the gguf package is not installed (pip insta
 from gguf_fixture import write_tiny_gguf  # noqa: E402
 
 from spectrain.io.integrity import sha256  # noqa: E402
-from spectrain.target import fingerprint as F  # noqa: E402
-from spectrain.target import gguf as G  # noqa: E402
+from spectrain.targets import fingerprint as F  # noqa: E402
+from spectrain.targets import gguf as G  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def target_dir(tmp_path, monkeypatch) -> Path:
 def fingerprint(d: Path, calls: list) -> str:
     from transformers import AutoModelForCausalLM
 
-    from spectrain.target.model import FrozenTarget
+    from spectrain.targets.model import FrozenTarget
 
     return F.target_fingerprint(FrozenTarget(AutoModelForCausalLM.from_pretrained(d), name_or_path=str(d)))
 

@@ -12,7 +12,7 @@ pytest.importorskip("gguf", reason="the gguf package is not installed (pip insta
 from gguf_fixture import damaged_copies, write_tiny_gguf  # noqa: E402
 
 from spectrain.cli import main as cli_main  # noqa: E402
-from spectrain.target import gguf as G  # noqa: E402
+from spectrain.targets import gguf as G  # noqa: E402
 
 
 @pytest.fixture(scope="module")

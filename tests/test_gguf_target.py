@@ -12,8 +12,8 @@ pytest.importorskip("gguf", reason="the gguf package is not installed (pip insta
 
 from gguf_fixture import write_tiny_gguf  # noqa: E402
 
-from spectrain.target import gguf as gguf_target  # noqa: E402
-from spectrain.target.model import load_target  # noqa: E402
+from spectrain.targets import gguf as gguf_target  # noqa: E402
+from spectrain.targets.model import load_target  # noqa: E402
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -64,7 +64,7 @@ def test_gguf_target_is_dequantized_once_and_matches_transformers(tiny_gguf, fre
 
 
 def test_gguf_fingerprint_names_the_gguf(tiny_gguf, cache):
-    from spectrain.target.fingerprint import target_fingerprint
+    from spectrain.targets.fingerprint import target_fingerprint
 
     target = load_target(str(tiny_gguf), device="cpu")
     plain = load_target(target.load_path, device="cpu")  # the same weights
@@ -81,7 +81,7 @@ def test_v1_values_of_the_first_gguf_release_still_match(tiny_gguf, cache):
 
     import torch
 
-    from spectrain.target.fingerprint import same_target
+    from spectrain.targets.fingerprint import same_target
 
     target = load_target(str(tiny_gguf), device="cpu")
     h = hashlib.sha256(json.dumps([target.num_layers, target.hidden_size, target.vocab_size]).encode())

@@ -9,8 +9,8 @@ from conftest import make_tiny_model
 
 from spectrain.decoding.loop import plain_generate, speculative_generate
 from spectrain.drafters.ngram import NgramDrafter
-from spectrain.target.model import FrozenTarget
-from spectrain.train.engine import resolve_precision
+from spectrain.targets.model import FrozenTarget
+from spectrain.train.distributed import resolve_precision
 
 pytestmark = pytest.mark.gpu
 

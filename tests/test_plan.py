@@ -13,16 +13,16 @@ from test_train import make_rows, tiny_recipe
 
 from spectrain.data.features import main as features_main
 from spectrain.recipe.load import load_recipe
+from spectrain.train import check
 from spectrain.train import loop as T
-from spectrain.train import preflight as check
 from spectrain.train.plan import (
     DEFAULT_MFU,
     DataSize,
     Shape,
-    drafter_shape,
     estimate,
     parse_hardware,
     plan_lines,
+    training_cost,
 )
 
 Usage = namedtuple("Usage", "total used free")
@@ -51,9 +51,9 @@ def test_hardware_names():
 def test_shapes_match_the_documented_arithmetic():
     t = Shape.of(_llama8b())
     assert round(t.params() / 1e9, 2) == 8.03  # recipes/README.md: 8.03 B
-    d = drafter_shape(load_recipe("eagle3"), t)
+    d = training_cost(load_recipe("eagle3"), t)
     assert round(d.params / 1e6) == 425 and d.trained == d.params - 32000 * 4096  # frozen lm_head
-    assert round(drafter_shape(load_recipe("medusa"), t).params / 1e9, 2) == 2.17
+    assert round(training_cost(load_recipe("medusa"), t).params / 1e9, 2) == 2.17
 
 
 def test_flops_reproduce_the_measured_gpu_check_point():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from test_evaluate import write_tiny_chat_world
 
-from spectrain.train import preflight as check
+from spectrain.train import check
 
 
 def test_plan_prints_the_cache_it_will_need_and_the_next_stage(tmp_path, capsys):

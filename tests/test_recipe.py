@@ -10,7 +10,7 @@ import yaml
 
 from spectrain.recipe.load import load_recipe, recipe_from_dict
 from spectrain.recipe.schema import Recipe
-from spectrain.train.preflight import main as check_main
+from spectrain.train.check import main as check_main
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate" not in p.relative_to(ROOT / "recipes").parts)

@@ -14,8 +14,7 @@ import pytest
 
 from spectrain import cli
 from spectrain.io.resources import shipped_recipes
-from spectrain.train import plan
-from spectrain.train import preflight as check
+from spectrain.train import check, plan
 
 RECIPE_COMMANDS = ("check", "train", "prepare-features", "regenerate")
 SHAPES = {  # the real targets' published configs (the fields the checks and the plan read)

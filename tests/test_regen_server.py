@@ -29,7 +29,7 @@ N_ROWS, M = 10, 12
 
 @pytest.fixture(scope="module")
 def target():
-    from spectrain.target.model import load_target
+    from spectrain.targets.model import load_target
 
     return load_target(str(REF))
 

@@ -75,7 +75,7 @@ def greedy(setup) -> tuple[Path, G.RegenStats]:
 
 
 def test_answers_equal_hf_greedy_generate_turn_by_turn(setup, greedy):
-    from spectrain.target.model import load_target
+    from spectrain.targets.model import load_target
 
     out, stats = greedy
     target = load_target(str(setup["assets"]["target"]), dtype="float32", device="cpu")
@@ -186,7 +186,7 @@ def test_two_ranks_merge_in_input_order(setup, greedy, monkeypatch):
 
 
 def test_generation_stops_at_a_stop_token(setup):
-    from spectrain.target.model import load_target
+    from spectrain.targets.model import load_target
 
     target = load_target(str(setup["assets"]["target"]), dtype="float32", device="cpu")
     prompt = target.tokenizer("<s><|user|>\nrepeat: red<|end|>\n<|assistant|>\n", add_special_tokens=False)["input_ids"]

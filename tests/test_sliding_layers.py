@@ -18,7 +18,7 @@ import spectrain.decoding.masks as masks
 from spectrain.decoding.loop import plain_generate, speculative_generate
 from spectrain.drafters.draft_lm import DraftLMDrafter
 from spectrain.drafters.ngram import NgramDrafter
-from spectrain.target.model import FrozenTarget
+from spectrain.targets.model import FrozenTarget
 
 torch.set_num_threads(1)
 

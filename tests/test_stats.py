@@ -67,7 +67,7 @@ def test_repeated_4grams_and_the_loop_flag():
 
 
 def test_record_carries_intervals_and_loop_columns():
-    from spectrain.decoding.loop import DecodeStats
+    from spectrain.decoding.stats import DecodeStats
     from spectrain.eval.harness import DecodeConfig
     from spectrain.eval.prompts import PromptSet
     from spectrain.eval.report import interval_table, make_record, summary_table
@@ -87,7 +87,7 @@ def test_record_carries_intervals_and_loop_columns():
 
 
 def test_speedup_above_tau_is_flagged_and_plot_labels_are_unique(capsys):
-    from spectrain.decoding.loop import DecodeStats
+    from spectrain.decoding.stats import DecodeStats
     from spectrain.eval.harness import DecodeConfig
     from spectrain.eval.plots import plot_labels
     from spectrain.eval.prompts import PromptSet

@@ -167,7 +167,7 @@ def test_registry_errors():
 
 def test_eagle3_run_dir(tmp_path):
     """The real EAGLE-3 head: run dir contents, pruning, last/best, frozen target, loadable best/."""
-    from spectrain.drafters.eagle3.model import Eagle3Drafter
+    from spectrain.drafters.eagle3.model import Eagle3Head
 
     target = make_tiny_target("llama")
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
@@ -190,8 +190,8 @@ def test_eagle3_run_dir(tmp_path):
     assert [r["step"] for r in evals] == [3, 6, 7] and all(r["eval/sim_tau_proxy"] >= 1.0 for r in evals)
     best = json.loads((run / "best" / "best.json").read_text())
     assert best["sim_tau_proxy"] == max(r["eval/sim_tau_proxy"] for r in evals)
-    head = Eagle3Drafter.from_pretrained(run / "best", target)
-    assert torch.equal(head.d2t, Eagle3Drafter.from_pretrained(run / "last", target).d2t)
+    head = Eagle3Head.from_pretrained(run / "best", target)
+    assert torch.equal(head.d2t, Eagle3Head.from_pretrained(run / "last", target).d2t)
 
 
 def test_best_by_sim_tau_not_loss(tmp_path, fake):

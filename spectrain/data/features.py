@@ -46,8 +46,8 @@ from spectrain.io.outputs import MARKER, check_placement, write_marker, write_te
 from spectrain.io.progress import Progress
 from spectrain.recipe.load import load_recipe
 from spectrain.registry import FeatureSpec
-from spectrain.target.fingerprint import same_target, target_fingerprint
-from spectrain.target.model import load_target
+from spectrain.targets.fingerprint import same_target, target_fingerprint
+from spectrain.targets.model import load_target
 
 FORMAT_VERSION = 1
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}

@@ -51,8 +51,8 @@ from spectrain.data.regen_server import (
 from spectrain.io.outputs import check_file_placement, exclusive_lock, open_nofollow, write_text_safe
 from spectrain.io.progress import Progress
 from spectrain.recipe.load import load_recipe
-from spectrain.target.gguf import resolve_target_path
-from spectrain.target.model import load_target
+from spectrain.targets.gguf import resolve_target_path
+from spectrain.targets.model import load_target
 
 # ---- files: resume, atomic rename, per-rank parts --------------------------------------------------------
 # A part file holds one line per finished input row, in input order: the regenerated row, or

@@ -37,9 +37,8 @@ from spectrain.decoding import kv_cache
 from spectrain.decoding.acceptance import accept_chain, accept_tree
 from spectrain.decoding.interface import DraftContext
 from spectrain.decoding.masks import batch_mask, layer_masks
+from spectrain.decoding.stats import DecodeStats, SpecOutput
 from spectrain.decoding.step import (
-    DecodeStats,
-    SpecOutput,
     clip_proposal,
     concat_features,
     cut_at_stop,

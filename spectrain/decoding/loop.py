@@ -28,9 +28,8 @@ from spectrain.decoding.batched import generate_batched
 from spectrain.decoding.interface import DraftContext, Drafter, TargetFeatures
 from spectrain.decoding.masks import tree_mask
 from spectrain.decoding.sampling import Sampler
+from spectrain.decoding.stats import DecodeStats, SpecOutput
 from spectrain.decoding.step import (
-    DecodeStats,
-    SpecOutput,
     clip_proposal,
     concat_features,
     cut_at_stop,

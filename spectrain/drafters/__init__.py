@@ -24,7 +24,7 @@ from spectrain.decoding.interface import DraftContext, Drafter, Proposal, Target
 from spectrain.drafters.eagle3.interop import detect
 from spectrain.drafters.ngram import NgramDrafter
 from spectrain.io.integrity import verify
-from spectrain.target.model import looks_local
+from spectrain.targets.model import looks_local
 
 __all__ = ["DraftContext", "Drafter", "Proposal", "TargetFeatures", "load_drafter"]
 

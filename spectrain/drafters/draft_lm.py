@@ -37,8 +37,8 @@ from spectrain.drafters.step_metrics import StepMetrics
 from spectrain.io.integrity import seal_head
 from spectrain.recipe.load import check_draft_layers
 from spectrain.registry import FeatureSpec
-from spectrain.target.fingerprint import target_fingerprint
-from spectrain.target.model import gathered
+from spectrain.targets.fingerprint import target_fingerprint
+from spectrain.targets.model import gathered
 
 SIM_K = 5  # chain length the simulated-tau proxy assumes (the eval's default k)
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from spectrain.io.integrity import seal_head
-from spectrain.target.fingerprint import same_target, target_fingerprint
+from spectrain.targets.fingerprint import same_target, target_fingerprint
 
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "model.safetensors"

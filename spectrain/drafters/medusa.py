@@ -33,7 +33,7 @@ from spectrain.drafters.head_io import WEIGHTS_NAME, check_state, read_head_conf
 from spectrain.drafters.losses import drafter_loss, overlap, sim_tau
 from spectrain.drafters.step_metrics import StepMetrics
 from spectrain.registry import FeatureSpec
-from spectrain.target.fingerprint import target_fingerprint
+from spectrain.targets.fingerprint import target_fingerprint
 
 
 class ResidualStack(nn.Module):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 
 from spectrain.eval.roofline import crossover
-from spectrain.target.auto_dtype import verify_pass_seconds
+from spectrain.targets.auto_dtype import verify_pass_seconds
 
 TOKENS = (1, 2, 4, 8, 16, 32)
 

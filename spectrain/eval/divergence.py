@@ -11,7 +11,7 @@ top-2 logit margin there and the numeric scale it is judged against:
 
 - ``scale`` = the logit spacing of the dtype the target COMPUTES in at that magnitude, ``eps(dtype) * |top-1
   logit|`` (``logit_scale``): bf16 at a logit of 25: 0.195; fp32: 3.0e-6. With fp32 logits from a bf16 target
-  (target/model.py) the rounding upstream is still bf16's, so the target's weight dtype sets the scale.
+  (targets/model.py) the rounding upstream is still bf16's, so the target's weight dtype sets the scale.
 - near-tie iff ``margin <= ulps * scale``; ``ulps`` = ``NEAR_TIE_ULPS[dtype]``: 4 for bf16/fp16 (measured on the
   reference target: logits of one position computed by t = 1, t = 6 and t = 64 passes differ by up to 1.1 scale
   units with the fp32 head, 2.1 without, so a top-2 margin moves by up to ~4), 64 for fp32 (fp32 kernels differ

@@ -29,7 +29,8 @@ import torch
 from transformers import AutoTokenizer
 
 from spectrain import registry
-from spectrain.decoding.loop import DecodeStats, plain_generate
+from spectrain.decoding.loop import plain_generate
+from spectrain.decoding.stats import DecodeStats
 from spectrain.engines import llama_cpp
 from spectrain.engines.server import Completion, LlamaServer
 from spectrain.eval import conformance, divergence, report
@@ -39,8 +40,8 @@ from spectrain.export.common import resolve_source
 from spectrain.export.llama_cpp import GGUF_NAME, read_gguf_meta
 from spectrain.io.outputs import staged_dir
 from spectrain.recipe.load import load_recipe
-from spectrain.target.gguf import resolve_target_path
-from spectrain.target.model import load_target
+from spectrain.targets.gguf import resolve_target_path
+from spectrain.targets.model import load_target
 
 # --drafter names served by the engine's own n-gram modes ("ngram": its simplest, beside spectrain's n-gram)
 ENGINE_MODES = {"ngram": "ngram-simple", **{m: m for m in ("ngram-simple", "ngram-map-k", "ngram-map-k4v",

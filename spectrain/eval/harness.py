@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from spectrain.decoding.loop import DecodeStats, plain_generate, speculative_generate
+from spectrain.decoding.loop import plain_generate, speculative_generate
+from spectrain.decoding.stats import DecodeStats
 from spectrain.drafters import load_drafter
 from spectrain.eval import cost_curve as cc
 from spectrain.eval import greedy_check, report
@@ -46,7 +47,7 @@ from spectrain.eval.tracking import log_trackers
 from spectrain.export.serving import parse_tree  # noqa: F401  (re-exported: tests and callers)
 from spectrain.io.outputs import resolve_out, staged_dir
 from spectrain.recipe.load import load_recipe
-from spectrain.target.model import load_target, resolve_dtype
+from spectrain.targets.model import load_target, resolve_dtype
 
 # ---- arguments ----------------------------------------------------------------------------------------------
 

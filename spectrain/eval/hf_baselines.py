@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from spectrain.decoding.step import DecodeStats, SpecOutput, resolve_eos
+from spectrain.decoding.stats import DecodeStats, SpecOutput
+from spectrain.decoding.step import resolve_eos
 
 HF_PREFIX = "hf:"
 HF_KINDS = ("plain", "prompt-lookup", "assisted=DRAFT_MODEL_DIR")

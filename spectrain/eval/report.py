@@ -172,7 +172,7 @@ def run_metadata(args, target_name: str, target, sets, baselines: dict) -> dict:
 
 
 def _dtype_meta(target) -> dict | None:
-    """The dtype and why (target/auto_dtype.py), and where the logits are computed."""
+    """The dtype and why (targets/auto_dtype.py), and where the logits are computed."""
     choice = getattr(target, "dtype_choice", None)
     if choice is None:
         return None

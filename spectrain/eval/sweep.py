@@ -19,7 +19,8 @@ import torch
 from tqdm.auto import tqdm
 
 from spectrain import registry
-from spectrain.decoding.loop import DecodeStats, plain_generate, speculative_generate
+from spectrain.decoding.loop import plain_generate, speculative_generate
+from spectrain.decoding.stats import DecodeStats
 from spectrain.eval import roofline
 
 

@@ -18,7 +18,7 @@ from spectrain import registry
 from spectrain.drafters.head_io import CONFIG_NAME, WEIGHTS_NAME
 from spectrain.io.integrity import seal
 from spectrain.io.outputs import check_placement, write_marker
-from spectrain.target.gguf import resolve_target_path
+from spectrain.targets.gguf import resolve_target_path
 
 Spec = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, "float" | "int64" | "bool")
 

@@ -32,7 +32,7 @@ from spectrain.engines import llama_cpp
 from spectrain.export.common import check_out, read_config, staged, summary
 from spectrain.export.eagle3 import export_vllm_eagle3
 from spectrain.export.hf_draft import export_hf_draft
-from spectrain.target.gguf import resolve_target_path
+from spectrain.targets.gguf import resolve_target_path
 
 GGUF_NAME = "model.gguf"
 NOT_COMPUTED = {"norm_output": "llama.cpp feeds the draft layer's pre-norm output to the next step",

@@ -19,7 +19,7 @@ crash or preemption mid-write never leaves a half checkpoint under a real name; 
 temp dir, and the temp dirs of a killed save are removed when the next run starts. ``best/`` and ``init/``
 are swapped in with one atomic exchange (renameat2), so there is no moment without them. Optimizer, RNG and
 model state go through ``accelerator.save_state`` so DDP / FSDP / DeepSpeed sharded states are
-saved by the engine that owns them, not by home-made code.
+saved by the backend that owns them, not by home-made code.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from spectrain.io.outputs import (
     swap_in,
 )
 from spectrain.io.safe_resume import check_files, load_engine_state
-from spectrain.target.fingerprint import same_target, target_fingerprint
+from spectrain.targets.fingerprint import same_target, target_fingerprint
 from spectrain.train.run_dir import _diff, recipe_hash, training_fields, truncate_metrics
 
 STATE_FILE = "trainer_state.json"

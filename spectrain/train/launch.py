@@ -115,8 +115,8 @@ def plan_launch(recipe_arg: str, overrides: list[str], nproc: int | None, config
     return cmd, env, procs
 
 
-def _require_engine(name: str, fields: dict) -> None:
-    """An accelerate config whose engine is not installed: one line with the install command."""
+def _require_backend(name: str, fields: dict) -> None:
+    """An accelerate config whose backend is not installed: one line with the install command."""
     if fields.get("distributed_type") == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
         raise ValueError(f"accelerate config {name} uses DeepSpeed, which is not installed: "
                          "pip install 'spectrain[deepspeed]' (or use --accelerate-config ddp / fsdp)")
@@ -190,7 +190,7 @@ def train_command(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe fails here, before any process starts
     config = args.accelerate_config or recipe.launch.accelerate_config
     if config:
-        _require_engine(config, _config_fields(resolve_accelerate_config(config)))
+        _require_backend(config, _config_fields(resolve_accelerate_config(config)))
     cuda = _cuda_devices()
     plan = plan_launch(args.recipe, args.overrides, args.nproc, args.accelerate_config, recipe.launch, cuda)
     procs = plan[2] if plan else 1

@@ -42,10 +42,10 @@ from tqdm.auto import tqdm
 
 from spectrain.data.packing import pack_rows
 from spectrain.recipe.load import load_recipe
-from spectrain.target.fingerprint import target_fingerprint
+from spectrain.targets.fingerprint import target_fingerprint
 from spectrain.train import checkpoint as ckpt
 from spectrain.train import run_dir
-from spectrain.train.engine import (  # noqa: F401  (make_accelerator, resolve_*: re-exported for tests and scripts)
+from spectrain.train.distributed import (  # noqa: F401  (make_accelerator, resolve_*: re-exported for tests and scripts)
     full_state_dict,
     is_sharded,
     make_accelerator,

@@ -142,7 +142,7 @@ def student(run):
 
 class RolloutSteps(OnPolicy):
     """drafter.eagle3.rollout's hook: a rollout step's batches are the fixed rows, marked with the seed of the
-    head's rollout (the drafting and the target's verification pass run inside Eagle3Drafter.train_loss)."""
+    head's rollout (the drafting and the target's verification pass run inside Eagle3Head.train_loss)."""
 
     generates = False
 

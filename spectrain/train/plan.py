@@ -121,7 +121,9 @@ class Shape:
 
 
 @dataclass
-class Drafter:
+class TrainingCost:
+    """What training one drafter costs per token: weights, FLOPs and the bytes a micro-batch keeps."""
+
     params: int  # all weights of the drafter
     trained: int  # weights the optimizer updates
     train_flops: float  # per token, forward + backward
@@ -130,7 +132,7 @@ class Drafter:
     n_aux: int  # aux hidden states in the feature cache
 
 
-def eagle3_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0) -> Drafter:
+def eagle3_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0) -> TrainingCost:
     """EAGLE-3: fc + K TTT steps of the draft layers and the draft-vocab lm_head (the record's ``cost`` hook)."""
     e = recipe.drafter.eagle3
     layer = t.layer(2, e.intermediate_size, e.num_attention_heads)
@@ -138,28 +140,28 @@ def eagle3_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0
     p = fc + e.num_layers * layer + head
     k = e.ttt_steps
     flops = 6 * fc + k * (6 * (p - fc) + 12 * e.num_layers * t.hidden * seq)
-    return Drafter(p, p - (head if e.freeze_lm_head else 0), flops, 4 * (t.vocab + 2 * k * e.draft_vocab_size),
+    return TrainingCost(p, p - (head if e.freeze_lm_head else 0), flops, 4 * (t.vocab + 2 * k * e.draft_vocab_size),
                    k * (10 * t.hidden + 3 * (e.intermediate_size or t.inter)) * 2, 3)
 
 
-def medusa_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0) -> Drafter:
+def medusa_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0) -> TrainingCost:
     """Medusa: K heads of ResBlocks + a full-vocab Linear each (the record's ``cost`` hook)."""
     m = recipe.drafter.medusa
     p = m.num_heads * (m.num_resblocks * (t.hidden ** 2 + t.hidden) + t.vocab * t.hidden)
-    return Drafter(p, p, 6 * p, 4 * t.vocab * (1 + 2 * m.num_heads), m.num_heads * t.hidden * 8, 0)
+    return TrainingCost(p, p, 6 * p, 4 * t.vocab * (1 + 2 * m.num_heads), m.num_heads * t.hidden * 8, 0)
 
 
-def draft_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0) -> Drafter:
+def draft_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0) -> TrainingCost:
     """A draft LM: its own config (``student``), or a layer subset of the target (the record's ``cost`` hook)."""
     d = recipe.drafter
     s = student or t
     layers = len(d.draft.init.split(":", 1)[1].split(",")) if d.draft.init.startswith("layers:") else s.layers
     p = layers * s.layer() + s.vocab * s.hidden * (1 if s.tied else 2)
     flops = 6 * (layers * s.layer() + s.vocab * s.hidden) + 12 * layers * s.hidden * seq
-    return Drafter(p, p, flops, 4 * 4 * t.vocab, layers * (10 * s.hidden + 3 * s.inter) * 2, 0)
+    return TrainingCost(p, p, flops, 4 * 4 * t.vocab, layers * (10 * s.hidden + 3 * s.inter) * 2, 0)
 
 
-def drafter_shape(recipe, t: Shape, student=None, seq: float = 0.0) -> Drafter:
+def training_cost(recipe, t: Shape, student=None, seq: float = 0.0) -> TrainingCost:
     """The drafter's size, its training FLOPs per token (`seq` = tokens per row, for attention) and memory:
     the family's ``cost`` hook (spectrain/registry.py). A family without one has no plan: costing it with
     another family's formula would print wrong numbers with confidence."""
@@ -204,8 +206,8 @@ class DataSize:
     mean_tokens: float  # per row, after the chat template and data.max_length
 
 
-def memory_per_gpu(recipe, t: Shape, d: Drafter, gpus: int) -> dict[str, float]:
-    """Estimated bytes per GPU under each engine (recipes/README.md, "The arithmetic")."""
+def memory_per_gpu(recipe, t: Shape, d: TrainingCost, gpus: int) -> dict[str, float]:
+    """Estimated bytes per GPU under each distributed backend (recipes/README.md, "The arithmetic")."""
     b, s = recipe.training.micro_batch_size, recipe.data.max_length
     act = b * s * (d.logits_bytes + d.act_bytes + 4 * t.hidden * 2)
     target, frozen = 2.0 * t.params(), d.params - d.trained
@@ -222,7 +224,7 @@ def target_forward(t: Shape, seq: float) -> float:
 @dataclass
 class Estimate:
     shape: Shape
-    drafter: Drafter
+    drafter: TrainingCost
     steps: int
     tokens: float  # trained tokens over the whole run
     teacher_flops: float  # per token
@@ -233,7 +235,7 @@ class Estimate:
 def estimate(recipe, cfg, data: DataSize, hw: Hardware, mfu: float = DEFAULT_MFU, student_cfg=None) -> Estimate:
     """Steps, tokens, FLOPs and wall time of a run (the formulas of the module doc)."""
     tr, t = recipe.training, Shape.of(cfg)
-    d = drafter_shape(recipe, t, Shape.of(student_cfg) if student_cfg is not None else None, data.mean_tokens)
+    d = training_cost(recipe, t, Shape.of(student_cfg) if student_cfg is not None else None, data.mean_tokens)
     steps = tr.max_steps if tr.max_steps > 0 else tr.epochs * (data.train_rows // tr.global_batch_size)
     tokens = steps * tr.global_batch_size * data.mean_tokens
     teacher = 2 * t.vocab * t.hidden + (0 if tr.features == "offline" else target_forward(t, data.mean_tokens))
@@ -292,7 +294,7 @@ def plan_lines(recipe, cfg, data: DataSize, hw: Hardware, mfu: float = DEFAULT_M
         problems.append(f"checkpoints need ~{ckpt_need / GiB:.1f} GiB but {recipe.output_dir} has "
                         f"{free_out / GiB:.1f} GiB free: choose another output_dir or lower training.keep_checkpoints")
     if min(mem.values()) > hw.memory:
-        problems.append(f"no engine fits {hw.memory / GiB:.0f} GiB per GPU: halve training.micro_batch_size "
+        problems.append(f"no distributed backend fits {hw.memory / GiB:.0f} GiB per GPU: halve training.micro_batch_size "
                         "(the global batch stays) or lower data.max_length")
     return lines, problems
 

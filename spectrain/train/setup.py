@@ -15,9 +15,9 @@ from torch import nn
 from spectrain import registry
 from spectrain.data.dataset import build_dataset, token_frequencies
 from spectrain.data.features import _pad_id
-from spectrain.target.model import gathered
+from spectrain.targets.model import gathered
 from spectrain.train import on_policy
-from spectrain.train.engine import (
+from spectrain.train.distributed import (
     load_target_for,
     make_accelerator,
     resolve_num_threads,

@@ -2,6 +2,8 @@
 rollouts) ; ``decode`` (single-row drafting, chains and EAGLE-2 trees) <- ``batch`` (all rows at once);
 ``interop`` maps public formats (speculators / vLLM, EAGLE / SGLang) onto the model."""
 
-from spectrain.drafters.eagle3.model import Eagle3Drafter
+from spectrain.drafters.eagle3.model import Eagle3Head
 
-__all__ = ["Eagle3Drafter"]
+Eagle3Drafter = Eagle3Head  # the name before the rename (docs/layout.md); ../shared/anchors imports it
+
+__all__ = ["Eagle3Head"]

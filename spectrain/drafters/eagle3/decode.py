@@ -8,7 +8,7 @@ import torch
 from spectrain.decoding.interface import DraftContext, Drafter, Proposal
 from spectrain.drafters.eagle3.batch import BatchedEagle3
 from spectrain.drafters.eagle3.layout import window_keep
-from spectrain.drafters.eagle3.model import Eagle3Drafter
+from spectrain.drafters.eagle3.model import Eagle3Head
 from spectrain.drafters.eagle3.tree import DraftTree, select_nodes
 from spectrain.registry import FeatureSpec
 
@@ -28,7 +28,7 @@ class Eagle3Proposer(Drafter):
     name = "eagle3"
     supports_tree = True
 
-    def __init__(self, model: Eagle3Drafter, target):
+    def __init__(self, model: Eagle3Head, target):
         self.model = model.eval()
         self.target = target
         self.aux_layers = list(model.aux_layers)
@@ -201,4 +201,4 @@ class Eagle3Proposer(Drafter):
 
 def load(path, target) -> Eagle3Proposer:
     """Registry entry: a decoding-ready EAGLE-3 drafter from a spectrain head directory."""
-    return Eagle3Proposer(Eagle3Drafter.from_pretrained(path, target), target)
+    return Eagle3Proposer(Eagle3Head.from_pretrained(path, target), target)

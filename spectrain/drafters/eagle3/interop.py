@@ -1,5 +1,5 @@
 """Import public EAGLE-3 heads: the speculators / vLLM format and the EAGLE / SGLang ``LlamaForCausalLMEagle3``
-format, turned into a spectrain ``Eagle3Drafter`` that computes exactly the same function -- or refused, by
+format, turned into a spectrain ``Eagle3Head`` that computes exactly the same function -- or refused, by
 name, when spectrain cannot represent the head exactly (never loaded approximately).
 
 - speculators (``config.json`` with ``speculators_model_type: eagle3``): ``transformer_layer_config`` holds the
@@ -26,10 +26,10 @@ from transformers import AutoConfig
 
 from spectrain.drafters.eagle3.decode import Eagle3Proposer
 from spectrain.drafters.eagle3.layout import LAYOUT_FLAGS, build_draft_vocab, sort_aux
-from spectrain.drafters.eagle3.model import Eagle3Drafter
+from spectrain.drafters.eagle3.model import Eagle3Head
 from spectrain.drafters.head_io import CONFIG_NAME
 from spectrain.recipe.deploy import eagle_default_aux, from_layer_outputs, sglang_default_capture
-from spectrain.target.fingerprint import target_fingerprint
+from spectrain.targets.fingerprint import target_fingerprint
 
 SPECULATORS, EAGLE3_HF = "speculators", "eagle3-hf"
 EAGLE3_HF_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -161,7 +161,7 @@ def _weights(state: dict[str, torch.Tensor], cfg: dict, target, where: str) -> d
         state["d2t"], state["t2d"] = build_draft_vocab(None, cfg["draft_vocab_size"], cfg["target_vocab_size"])
     state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
     names_cfg = {**cfg, "aux_layers": sorted(cfg["aux_layers"])}  # names do not depend on the aux order
-    expected = set(Eagle3Drafter(names_cfg, state["d2t"], state["t2d"]).state_dict())
+    expected = set(Eagle3Head(names_cfg, state["d2t"], state["t2d"]).state_dict())
     extra = sorted(set(state) - expected)
     if extra:
         raise ValueError(f"{where}: tensors {extra[:4]} have no counterpart in spectrain's EAGLE-3 head (this "
@@ -220,10 +220,10 @@ def read_foreign(path, target) -> tuple[dict, dict[str, torch.Tensor]]:
     return sort_aux(cfg, state, where)
 
 
-def import_eagle3(path, target) -> Eagle3Drafter:
-    """A foreign EAGLE-3 head as a spectrain ``Eagle3Drafter`` (on the target's device)."""
+def import_eagle3(path, target) -> Eagle3Head:
+    """A foreign EAGLE-3 head as a spectrain ``Eagle3Head`` (on the target's device)."""
     cfg, state = read_foreign(path, target)
-    model = Eagle3Drafter(cfg, state["d2t"], state["t2d"])
+    model = Eagle3Head(cfg, state["d2t"], state["t2d"])
     model.load_state_dict(state, strict=True)
     return model.to(target.device)
 
@@ -238,12 +238,12 @@ ARCH_KEYS = ("aux_layers", "draft_vocab_size", "num_layers", "intermediate_size"
              *LAYOUT_FLAGS)
 
 
-def init_from_head(cls, path, recipe, target) -> Eagle3Drafter:
+def init_from_head(cls, path, recipe, target) -> Eagle3Head:
     """``drafter.eagle3.init_from: DIR``: start training from an existing head (spectrain checkpoint or a foreign
     format). The head fixes the architecture; recipe keys that disagree with it are named in a warning."""
     e = recipe.drafter.eagle3
     if (Path(path) / CONFIG_NAME).is_file():
-        head = Eagle3Drafter.from_pretrained(path, target)
+        head = Eagle3Head.from_pretrained(path, target)
     elif detect(path):
         head = import_eagle3(path, target)
     else:
@@ -272,11 +272,11 @@ def init_from_head(cls, path, recipe, target) -> Eagle3Drafter:
 
 
 def build(recipe, target, token_counts):
-    """The head a recipe trains: a fresh one (``Eagle3Drafter.from_recipe``), or, with
+    """The head a recipe trains: a fresh one (``Eagle3Head.from_recipe``), or, with
     ``drafter.eagle3.init_from``, an existing head (spectrain's, speculators' or the EAGLE / SGLang format)."""
     e = recipe.drafter.eagle3
     if not e.init_from:
-        return Eagle3Drafter.from_recipe(recipe, target, token_counts)
-    model = init_from_head(Eagle3Drafter, e.init_from, recipe, target)
+        return Eagle3Head.from_recipe(recipe, target, token_counts)
+    model = init_from_head(Eagle3Head, e.init_from, recipe, target)
     model.rollout_cfg = e.rollout
     return model

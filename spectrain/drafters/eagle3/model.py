@@ -55,7 +55,7 @@ from spectrain.drafters.head_io import WEIGHTS_NAME, check_state, read_head_conf
 from spectrain.drafters.losses import drafter_loss, hard_ce, sim_tau
 from spectrain.drafters.step_metrics import StepMetrics
 from spectrain.registry import FeatureSpec
-from spectrain.target.fingerprint import target_fingerprint
+from spectrain.targets.fingerprint import target_fingerprint
 
 
 # ---- modules ---------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def _shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 
 
 # ---- the trainable head ----------------------------------------------------------------------
-class Eagle3Drafter(nn.Module):
+class Eagle3Head(nn.Module):
     kind = "eagle3"
 
     def __init__(self, cfg: dict, d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None):
@@ -191,7 +191,7 @@ class Eagle3Drafter(nn.Module):
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
-    def from_recipe(cls, recipe, target, token_counts: torch.Tensor | None) -> Eagle3Drafter:
+    def from_recipe(cls, recipe, target, token_counts: torch.Tensor | None) -> Eagle3Head:
         e = recipe.drafter.eagle3
         if e.init_from:
             raise ValueError("drafter.eagle3.init_from: build the head with spectrain.drafters.eagle3.interop.build")
@@ -372,7 +372,7 @@ class Eagle3Drafter(nn.Module):
         save_head(path, self.config, state_dict or self.state_dict())
 
     @classmethod
-    def from_pretrained(cls, path, target) -> Eagle3Drafter:
+    def from_pretrained(cls, path, target) -> Eagle3Head:
         cfg = read_head_config(path, "eagle3", target, "EAGLE-3 head")
         target.validate_aux_layers(cfg["aux_layers"])
         cfg, state = sort_aux(cfg, load_file(str(Path(path) / WEIGHTS_NAME)), f"EAGLE-3 head at {path}")
@@ -382,6 +382,6 @@ class Eagle3Drafter(nn.Module):
         return model.to(target.device)
 
 
-__all__ = ["LAYOUT_FLAGS", "Eagle3Drafter", "build_draft_vocab", "config_from_target", "layer_config", "layout"]
+__all__ = ["LAYOUT_FLAGS", "Eagle3Head", "build_draft_vocab", "config_from_target", "layer_config", "layout"]
 
 

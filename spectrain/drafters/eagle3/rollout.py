@@ -100,7 +100,7 @@ def first_divergence(drafts: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor
 
 
 class Rollout:
-    """One rollout step's state inside ``Eagle3Drafter.train_loss``: ``feed`` for the unroll, ``verify`` for
+    """One rollout step's state inside ``Eagle3Head.train_loss``: ``feed`` for the unroll, ``verify`` for
     the target pass, ``substitute`` for each step's teacher (see the module docstring)."""
 
     def __init__(self, head, sup0: torch.Tensor, cfg, seed: int):

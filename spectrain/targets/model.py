@@ -25,8 +25,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from spectrain.recipe.deploy import eagle_default_aux
-from spectrain.target.auto_dtype import DtypeChoice, auto_cpu_dtype
-from spectrain.target.gguf import gguf_info, resolve_target_path
+from spectrain.targets.auto_dtype import DtypeChoice, auto_cpu_dtype
+from spectrain.targets.gguf import gguf_info, resolve_target_path
 
 DTYPES = {
     "float32": torch.float32,
@@ -40,7 +40,7 @@ DTYPES = {
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:
     """The dtype to load in. 'auto': bf16 on CUDA, fp32 elsewhere; on a CPU `load_target` may then switch the
-    loaded model to bf16 where the CPU computes it natively and it measures faster (target/auto_dtype.py)."""
+    loaded model to bf16 where the CPU computes it natively and it measures faster (targets/auto_dtype.py)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
@@ -302,7 +302,7 @@ def load_target(
 ) -> FrozenTarget:
     """Load any HF causal LM (hub id or local dir) frozen, in eval mode, with its tokenizer. A GGUF file
     (a ``.gguf`` path, or a dir / hub repo plus ``gguf_file``) loads its cached dequantized checkpoint
-    (spectrain/target/gguf.py), made on first use. ``fp32_logits``: a 16-bit target's logits from an fp32
+    (spectrain/targets/gguf.py), made on first use. ``fp32_logits``: a 16-bit target's logits from an fp32
     norm + lm_head (module doc). ``verify_tokens``: the pass width (k + 1) that ``dtype="auto"`` times on a CPU.
     ``target.dtype_choice`` says which dtype was used and why."""
     if device is None:

@@ -2,6 +2,6 @@
 fingerprint that ties every drafter, checkpoint and feature cache to the exact target it was trained against
 (``fingerprint``)."""
 
-from spectrain.target.model import FrozenTarget, load_target
+from spectrain.targets.model import FrozenTarget, load_target
 
 __all__ = ["FrozenTarget", "load_target"]

@@ -21,9 +21,9 @@ from spectrain import registry
 from spectrain.data.chat import load_conversations, tokenize_conversations
 from spectrain.recipe.load import load_recipe
 from spectrain.recipe.schema import Recipe
-from spectrain.target.gguf import resolve_target_path, split_gguf
-from spectrain.target.model import looks_local
-from spectrain.train.engine import check_trackers, resolve_precision
+from spectrain.targets.gguf import resolve_target_path, split_gguf
+from spectrain.targets.model import looks_local
+from spectrain.train.distributed import check_trackers, resolve_precision
 from spectrain.train.plan import DEFAULT_MFU, GPUS, check_mfu, data_size, parse_hardware, plan_lines
 from spectrain.train.run_dir import check_run_dir
 

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.cpp_extension import get_default_build_root
 from transformers.utils import logging as hf_logging
 
-from spectrain.target.model import gathered, load_target
+from spectrain.targets.model import gathered, load_target
 
 
 def resolve_precision(precision: str) -> str:

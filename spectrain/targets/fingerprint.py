@@ -20,8 +20,8 @@ import torch
 
 from spectrain.io.integrity import WEIGHT_SUFFIXES
 from spectrain.io.outputs import write_text_safe
-from spectrain.target.gguf import untrusted_file
-from spectrain.target.model import gathered
+from spectrain.targets.gguf import untrusted_file
+from spectrain.targets.model import gathered
 
 RACY_NS = 2_000_000_000  # a file changed this recently (or later) is not cached: timestamps have a resolution
 FINGERPRINT_PREFIX = "v2-"  # v2: every parameter + the config; older checkpoints / caches hold a v1 value
