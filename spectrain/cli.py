@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str | None, bool]] = {
     "prepare-features": ("write the offline target-feature cache for a recipe", None, True),
     "regenerate": ("answer the recipe's prompts with the frozen target (self-distillation data as JSONL)",
                    "spectrain.data.regenerate:add_regenerate_args", True),
+    "agreement": ("how often the recipe's target picks the tokens a server wrote into regenerated data",
+                  "spectrain.data.agreement:add_agreement_args", True),
     "eval": ("lossless speculative decoding over prompt sets + report", "spectrain.eval.harness:add_eval_args", False),
     "export": ("write a serving-format directory (vLLM, SGLang, TensorRT-LLM, HF draft) and validate it",
                "spectrain.export:add_export_args", False),
@@ -132,7 +134,8 @@ def _run(args: argparse.Namespace) -> int:
         from spectrain.eval.engine import main as engine_main
 
         return engine_main(args)
-    module = {"target": "spectrain.targets.gguf", "regenerate": "spectrain.data.regenerate", "eval": "spectrain.eval.harness",
+    module = {"target": "spectrain.targets.gguf", "regenerate": "spectrain.data.regenerate",
+              "agreement": "spectrain.data.agreement", "eval": "spectrain.eval.harness",
               "export": "spectrain.export", "compare": "spectrain.eval.compare", "seal": "spectrain.io.integrity",
               "engine": "spectrain.engines.llama_cpp"}[cmd]
     return importlib.import_module(module).main(args)
