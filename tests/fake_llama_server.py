@@ -6,11 +6,13 @@ answers what spectrain/engines/server.py asks of the real one (llama.cpp 0c1e570
 - ``/health``: 503 "Loading model" for the first 0.3 s, then ``{"status": "ok"}``;
 - ``/metrics``: the cumulative ``llamacpp:spec_decode_*`` counters, as the real server prints them (HELP/TYPE
   lines, the per-position series only once a request has speculated);
+- ``/v1/chat/completions``: "echo: " + the last message's text (at most ``max_tokens`` words), as the model
+  named by ``-m`` (what the real server reports), with ``usage`` and ``finish_reason``;
 - ``/completion``: ``n_predict`` tokens ``prompt[-1] + 1 ...``, ``timings``, ``completion_probabilities``
   with ``n_probs`` top entries, and per request ``n_predict`` verification steps whose per-position
   accepted counts are ``[n, n - 1, 1]`` (so two requests in a row have different counts).
 
-It writes ``{"argv", "pid", "child"}`` to ``fake-state.json`` beside itself, and starts a ``sleep 60``
+It writes ``{"argv", "pid", "child", "omp_wait_policy"}`` to ``fake-state.json`` beside itself, and starts a ``sleep 60``
 child, so a test can check that the whole process group is stopped. ``FAKE_LLAMA_DIE=MESSAGE`` in its
 environment makes it print MESSAGE and exit 3 at once (a model that does not load).
 """
@@ -84,7 +86,7 @@ class _Counters:
         return "\n".join(out) + "\n"
 
 
-def _handler(counters: _Counters, ready_at: float):
+def _handler(counters: _Counters, ready_at: float, model: str = ""):
     class Handler(BaseHTTPRequestHandler):
         def _send(self, code: int, body, kind: str = "application/json"):
             data = (body if isinstance(body, str) else json.dumps(body)).encode()
@@ -107,6 +109,13 @@ def _handler(counters: _Counters, ready_at: float):
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            if self.path == "/v1/chat/completions":
+                words = ("echo: " + body["messages"][-1]["content"]).split()
+                cut = words[:int(body.get("max_tokens", 16))]
+                self._send(200, {"model": model, "choices": [{"message": {"role": "assistant", "content": " ".join(cut)},
+                                 "finish_reason": "length" if len(cut) < len(words) else "stop"}],
+                                 "usage": {"completion_tokens": len(cut)}})
+                return
             prompt, n = body.get("prompt") or [], int(body.get("n_predict", 0))
             if self.path != "/completion" or not prompt:
                 self._send(400, {"error": {"code": 400, "message": "empty prompt"}})
@@ -137,8 +146,10 @@ def main(argv: list[str]) -> None:
     port = int(argv[argv.index("--port") + 1])
     child = subprocess.Popen(["sleep", "60"])
     here = Path(__file__).resolve().parent
-    (here / STATE).write_text(json.dumps({"argv": argv, "pid": os.getpid(), "child": child.pid}))
-    server = ThreadingHTTPServer(("127.0.0.1", port), _handler(_Counters(), time.monotonic() + 0.3))
+    (here / STATE).write_text(json.dumps({"argv": argv, "pid": os.getpid(), "child": child.pid,
+                                          "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}))
+    server = ThreadingHTTPServer(("127.0.0.1", port), _handler(_Counters(), time.monotonic() + 0.3,
+                                                                      argv[argv.index("-m") + 1]))
     print(f"main: server is listening on http://127.0.0.1:{port}", flush=True)
     server.serve_forever()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import json
 import os
 import platform
 import signal
@@ -360,3 +361,64 @@ def test_stop_ends_the_server_and_its_children(engine, tmp_path):
         time.sleep(0.05)
     assert s.proc.poll() is not None and not fake.alive(st["pid"]) and not fake.alive(st["child"])
     s.stop()  # twice is harmless
+
+
+# regeneration through the engine ------------------------------------------------------------------------------
+
+def test_parallel_slots_split_the_context_and_sleeping_threads_are_asked_for(engine, tmp_path):
+    with LlamaServer(engine, tmp_path / "m.gguf", parallel=4, ctx=512, spin=False, log=tmp_path / "s.log"):
+        st = fake.state(engine.root)
+    opt = {a: b for a, b in zip(st["argv"], st["argv"][1:]) if a.startswith("-")}
+    assert opt["-np"] == "4" and opt["-c"] == "2048" and st["omp_wait_policy"] == "passive"
+    with LlamaServer(engine, tmp_path / "m.gguf", log=tmp_path / "s.log"):
+        st = fake.state(engine.root)
+    opt = {a: b for a, b in zip(st["argv"], st["argv"][1:]) if a.startswith("-")}
+    assert opt["-np"] == "1" and opt["-c"] == "4096" and st["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY")
+    with pytest.raises(ValueError, match=">= 1 slot"):
+        LlamaServer(engine, tmp_path / "m.gguf", parallel=0)
+
+
+def _regen_recipe(tmp_path, target: str) -> Path:
+    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}"},
+                                         {"role": "assistant", "content": "x"}]} for i in range(6)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"target: {{name_or_path: {target}}}\ndata: {{train_files: [{data}]}}\n")
+    return recipe
+
+
+def test_regenerate_with_engine_starts_answers_through_and_stops_the_server(engine, tmp_path, monkeypatch):
+    from spectrain.cli import main as cli_main
+    from spectrain.engines import llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "require", lambda: engine)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    out = tmp_path / "out" / "regen.jsonl"
+    rc = cli_main(["regenerate", str(_regen_recipe(tmp_path, str(gguf))), "--out", str(out), "--engine", "llama.cpp",
+                   "--parallel", "3", "--threads", "1", "--max-new-tokens", "2", "--temperature", "0,1"])
+    assert rc == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"r{i}" for i in range(6)]
+    assert all(r["messages"][1]["content"] == "echo: question" for r in rows)  # cut at 2 words: max_new_tokens
+    assert {r["temperature"] for r in rows} <= {0.0, 1.0}
+    st = fake.state(engine.root)
+    opt = {a: b for a, b in zip(st["argv"], st["argv"][1:]) if a.startswith("-")}
+    assert opt["-np"] == "3" and opt["-t"] == "1" and opt["-m"] == str(gguf.resolve())
+    assert st["omp_wait_policy"] == "passive" and not fake.alive(st["pid"]) and not fake.alive(st["child"])
+
+
+def test_regenerate_with_engine_refuses_a_target_that_is_not_gguf_and_server_with_engine(engine, tmp_path, capsys,
+                                                                                        monkeypatch):
+    from spectrain.cli import main as cli_main
+    from spectrain.engines import llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "require", lambda: engine)
+    recipe = _regen_recipe(tmp_path, str(tmp_path))  # a directory: an HF checkpoint, not a GGUF file
+    out = str(tmp_path / "o.jsonl")
+    assert cli_main(["regenerate", str(recipe), "--out", out, "--engine", "llama.cpp"]) == 2
+    assert "serves a local .gguf target" in capsys.readouterr().err
+    assert cli_main(["regenerate", str(recipe), "--out", out, "--engine", "llama.cpp", "--server", "http://x"]) == 2
+    assert "give one" in capsys.readouterr().err
+    assert not (engine.binary(fake.STATE)).exists()  # nothing was started

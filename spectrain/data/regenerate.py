@@ -48,6 +48,8 @@ from spectrain.data.regen_server import (
     _row_seed,
     write_part_server,
 )
+from spectrain.engines import llama_cpp
+from spectrain.engines.server import LlamaServer
 from spectrain.io.outputs import check_file_placement, exclusive_lock, open_nofollow, write_text_safe
 from spectrain.io.progress import Progress
 from spectrain.recipe.load import load_recipe
@@ -303,6 +305,15 @@ def add_regenerate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--concurrency", type=int, default=64, help="rows in flight at once (default 64)")
     s.add_argument("--retries", type=int, default=5, help="retries per request with backoff (default 5)")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    e = p.add_argument_group("engine (spectrain starts a llama.cpp server on the recipe's GGUF target, answers "
+                             "through it and stops it; build it once with `spectrain engine fetch llama.cpp`)")
+    e.add_argument("--engine", choices=("llama.cpp",), default=None, help="serve the target with this engine")
+    e.add_argument("--parallel", type=int, default=16, help="server slots = rows in flight (default 16)")
+    e.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads (default: every core)")
+    e.add_argument("--ctx", type=int, default=2048, help="tokens per slot (prompt + answer; default 2048); a "
+                   "longer prompt is rejected by the server and its row skipped")
+    e.add_argument("--spin", action="store_true", help="let the engine's threads busy-wait: faster on an idle "
+                   "machine, collapses beside any other busy process (docs/engine.md)")
     return p
 
 
@@ -326,19 +337,54 @@ def _temperatures(text: str) -> float | list[float]:
     return values[0] if len(values) == 1 else values
 
 
+def engine_target(recipe) -> Path:
+    """The recipe's target as a local GGUF file, which is what llama.cpp serves."""
+    t = recipe.target
+    path = Path(t.name_or_path) / t.gguf_file if t.gguf_file else Path(t.name_or_path)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ValueError(f"--engine llama.cpp serves a local .gguf target; the recipe's target is {t.name_or_path!r}"
+                         f"{' + ' + t.gguf_file if t.gguf_file else ''}: point target.name_or_path at a .gguf file "
+                         "(spectrain target fetch, or llama.cpp's convert_hf_to_gguf.py), or start your own server "
+                         "and pass --server URL")
+    return path.resolve()
+
+
+def _regenerate_with_engine(args: argparse.Namespace, cfg: RegenConfig) -> RegenStats:
+    """Start llama-server on the target (args.parallel slots), answer through it, stop it, whatever happens."""
+    if args.parallel < 1 or args.threads < 1 or args.ctx <= cfg.max_new_tokens:
+        raise ValueError(f"--parallel {args.parallel} / --threads {args.threads} must be >= 1 and --ctx {args.ctx} "
+                         f"> --max-new-tokens {cfg.max_new_tokens}")
+    _check_out(Path(args.out))  # refused before a server starts, not after it loaded the model
+    gguf = engine_target(load_recipe(args.recipe, args.overrides))
+    engine = llama_cpp.require()
+    log = Path(args.out).with_name(Path(args.out).name + ".llama-server.log")
+    print(f"regenerate: starting llama-server ({engine.version}) on {gguf.name}: {args.parallel} slots of "
+          f"{args.ctx} tokens, {args.threads} threads (log {log})", flush=True)
+    with LlamaServer(engine, gguf, threads=args.threads, ctx=args.ctx, parallel=args.parallel, spin=args.spin,
+                     log=log, timeout=args.timeout) as srv:
+        server = ServerConfig(urls=[srv.url], model=str(gguf), concurrency=args.parallel, retries=args.retries,
+                              timeout_s=args.timeout).validate()
+        return regenerate(args.recipe, args.overrides, args.out, cfg, server=server)
+
+
 def main(args: argparse.Namespace) -> int:
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                       batch_size=args.batch_size, n=args.n, reasoning=args.reasoning, shuffle=args.shuffle,
                       skip=args.skip,
                       chat_template_kwargs=_template_kwargs(args.chat_template_kwargs))
     server = None
+    if args.server and args.engine:
+        raise ValueError("--server and --engine: give one (--server asks a running server; --engine starts one)")
     if args.server:
         model = args.server_model or load_recipe(args.recipe, args.overrides).target.name_or_path
         server = ServerConfig(urls=[u for u in args.server.split(",") if u.strip()], model=model,
                               concurrency=args.concurrency, retries=args.retries, timeout_s=args.timeout).validate()
     try:
-        kw = {"server": server} if server is not None else {}
-        stats = regenerate(args.recipe, args.overrides, args.out, cfg, **kw)
+        if args.engine:
+            stats = _regenerate_with_engine(args, cfg)
+        else:
+            kw = {"server": server} if server is not None else {}
+            stats = regenerate(args.recipe, args.overrides, args.out, cfg, **kw)
     except KeyboardInterrupt:
         print(f"regenerate: interrupted; rerun the same command to resume from {args.out}.tmp", flush=True)
         return 130
