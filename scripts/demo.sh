@@ -21,5 +21,5 @@ spectrain eval --recipe recipes/tiny/eagle3.yaml --target assets/reference-targe
     --prompts spec_bench/math_reasoning --prompts spec_bench/rag --prompts humaneval \
     --k 5 --tree topk=4,depth=5,total=32 --temperature 0 --temperature 1 \
     --n "$N" --max-new-tokens 64 --out "$RUN/eval" --force
-python scripts/plot_training.py "$RUN"
+spectrain plot "$RUN"                  # -> $RUN/train_curve.png
 echo "report: $RUN/eval/report.md"

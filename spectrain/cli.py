@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str | None, bool]] = {
               "spectrain.train.check:add_check_args", True),
     "train": ("train the recipe's drafter (one process, or --nproc N through accelerate launch)",
               "spectrain.train.launch:add_launch_args", True),
+    "plot": ("draw a training run's curves (loss, held-out acc_i, simulated tau) from its metrics.jsonl into a PNG",
+             "spectrain.train.plot:add_plot_args", False),
     "prepare-features": ("write the offline target-feature cache for a recipe", None, True),
     "regenerate": ("answer the recipe's prompts with the frozen target (self-distillation data as JSONL)",
                    "spectrain.data.regenerate:add_regenerate_args", True),
@@ -28,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str | None, bool]] = {
                "spectrain.export:add_export_args", False),
     "compare": ("two eval reports side by side: tau per prompt set, paired 95% intervals, a verdict",
                 "spectrain.eval.compare:add_compare_args", False),
+    "crossover": ("PREDICTED speedup against batch size and the crossover for a deployment (roofline model)",
+                  "spectrain.eval.crossover:add_crossover_args", False),
     "seal": ("write SHA256SUMS for checkpoint / head directories you trust (spectrain refuses unsealed ones)",
              "spectrain.io.integrity:add_seal_args", False),
     "recipes": ("list the shipped recipes and accelerate configs, one line each", None, False),
@@ -137,7 +141,8 @@ def _run(args: argparse.Namespace) -> int:
     module = {"target": "spectrain.targets.gguf", "regenerate": "spectrain.data.regenerate",
               "agreement": "spectrain.data.agreement", "eval": "spectrain.eval.harness",
               "export": "spectrain.export", "compare": "spectrain.eval.compare", "seal": "spectrain.io.integrity",
-              "engine": "spectrain.engines.llama_cpp"}[cmd]
+              "engine": "spectrain.engines.llama_cpp", "plot": "spectrain.train.plot",
+              "crossover": "spectrain.eval.crossover"}[cmd]
     return importlib.import_module(module).main(args)
 
 

@@ -89,15 +89,35 @@ def test_cpu_peaks_are_measured():
     assert cpu.bandwidth > 1e8 and cpu.flops > 1e8 and "measured" in cpu.name
 
 
-def test_predict_crossover_script(capsys):
-    import sys
-    from pathlib import Path
+def test_crossover_command(capsys):
+    """`spectrain crossover` (spectrain/eval/crossover.py): the predicted table for a given tau, and a bad target
+    refused in one line."""
+    from spectrain import cli
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import predict_crossover
-
-    assert predict_crossover.main(["--tau", "2.11", "--k", "5", "--gpu", "H100"]) == 0
+    assert cli.main(["crossover", "--tau", "2.11", "--k", "5", "--gpu", "H100"]) == 0
     out = capsys.readouterr().out
     assert "PREDICTED" in out and "| given | 2.11 | 1.65 |" in out and "B = 256" in out
-    with pytest.raises(SystemExit):
-        predict_crossover.main(["--target", "no/such/config.json"])
+    assert cli.main(["crossover", "--target", "no/such/config.json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "spectrain crossover: error: --target 'no/such/config.json'" in err[0]
+
+
+def test_crossover_from_a_batch_sweep_report(tmp_path, capsys):
+    """Every (drafter, config) of a report's batch sweep is one row, tau from its smallest batch size; a training-free
+    drafter is charged no drafting cost (so it keeps more of its tau than a head with the same tau)."""
+    import json
+
+    from spectrain import cli
+
+    cells = [dict(drafter=d, config="k=5 T=0", tau=tau, k=5, tree=None, batch_size=b)
+             for d in ("runs/e3/best", "ngram") for b, tau in ((1, 2.0), (4, 1.5))]
+    (tmp_path / "report.json").write_text(json.dumps({"batch_sweep": {"cells": cells}}))
+    assert cli.main(["crossover", "--report", str(tmp_path / "report.json")]) == 0
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| runs/") or line.startswith("| ngram")}
+    assert set(rows) == {"runs/e3/best k=5 T=0", "ngram k=5 T=0"}
+    assert rows["runs/e3/best k=5 T=0"][1] == rows["ngram k=5 T=0"][1] == "2.00"
+    assert float(rows["ngram k=5 T=0"][2]) > float(rows["runs/e3/best k=5 T=0"][2])  # B=1: no head to pay for
+    (tmp_path / "plain.json").write_text(json.dumps({"records": []}))
+    assert cli.main(["crossover", "--report", str(tmp_path / "plain.json")]) == 2
+    assert "has no batch_sweep" in capsys.readouterr().err

@@ -278,25 +278,3 @@ def test_offline_features_train_like_online(tmp_path):
     assert all(abs(x - y) <= 1e-6 * max(1.0, abs(x)) for (_, x), (_, y) in zip(a, b)), (a, b)
     with pytest.raises(ValueError, match="feature_cache"):
         T.train(tiny_recipe(tmp_path / "x", features="offline"), target=target)
-
-
-def test_plot_training_script(tmp_path):
-    """scripts/plot_training.py draws the held-out curves from metrics.jsonl and refuses a non-run dir."""
-    import json
-    import subprocess
-    import sys
-
-    rows = [{"step": s, "eval/acc_0": 0.1 * s, "eval/acc_1": 0.05 * s, "eval/sim_tau_proxy": 1 + 0.1 * s}
-            for s in (1, 2, 3)]
-    rows += [{"step": s, "loss": 5.0 / s, "sim_tau": 1 + 0.01 * s} for s in range(1, 40)]  # per-step records
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    script = Path(__file__).resolve().parents[1] / "scripts" / "plot_training.py"
-    ok = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stderr
-    assert (tmp_path / "train_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    bad = subprocess.run([sys.executable, str(script), str(tmp_path / "nope")], capture_output=True, text=True)
-    assert bad.returncode == 2 and "not a spectrain run directory" in bad.stderr
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "metrics.jsonl").write_text(json.dumps({"step": 0, "event": "start"}) + "\n")
-    none = subprocess.run([sys.executable, str(script), str(tmp_path / "empty")], capture_output=True, text=True)
-    assert none.returncode == 2 and "no training or held-out records" in none.stderr

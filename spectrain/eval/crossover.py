@@ -1,0 +1,100 @@
+"""`spectrain crossover`: PREDICTED speedup against batch size, and the crossover, for a deployment (roofline.py).
+
+    spectrain crossover --report runs/eval-batch-sweep/report.json --target llama-3.1-8b --gpu H100
+    spectrain crossover --tau 2.1 --k 5 --drafter eagle3 --target path/to/config.json --gpu H200
+    spectrain crossover --tau 3.0 --k 5 --tree-size 32 --topk 4 --gpu-bandwidth 2000 --gpu-flops 400
+
+tau comes from ``--tau`` or from every batch-sweep setting of a ``spectrain eval --batch-size ...``
+report (measured at its smallest batch size). The target is an HF ``config.json`` (file or model
+directory) or the preset ``llama-3.1-8b``; the drafter's cost is an EAGLE-3 head sized for that
+target (``--drafter eagle3``, draft vocab ``--draft-vocab``) or nothing (``--drafter ngram``, and every
+training-free drafter of a report). Everything printed is a model prediction, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from spectrain import registry
+from spectrain.eval import roofline
+
+PRESETS = {"llama-3.1-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                num_hidden_layers=32, intermediate_size=14336, vocab_size=128256)}
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+# the deployed drafter's cost per forward, for a target config and a draft vocabulary; training-free drafters
+# (registry.TRAINING_FREE) cost nothing
+DRAFTER_COST = {"eagle3": roofline.eagle3_cost}
+
+
+def add_crossover_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--report", help="a spectrain eval report.json with a batch_sweep (its tau per setting)")
+    p.add_argument("--tau", type=float, default=2.0, help="tokens per verification pass (without --report)")
+    p.add_argument("--k", type=int, default=5, help="chain length / tree depth")
+    p.add_argument("--tree-size", type=int, default=0, help="tree nodes verified per pass (0 = chain)")
+    p.add_argument("--topk", type=int, default=4, help="tree: nodes expanded per depth")
+    p.add_argument("--drafter", choices=[*DRAFTER_COST, *registry.TRAINING_FREE], default="eagle3",
+                   help="whose drafting cost to charge (a report's training-free drafters cost nothing)")
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--target", default="llama-3.1-8b", help=f"preset ({', '.join(PRESETS)}), config.json or model dir")
+    p.add_argument("--gpu", default=None, help=", ".join(roofline.GPUS) + " (default H100)")
+    p.add_argument("--gpu-bandwidth", type=float, default=None, help="GB/s")
+    p.add_argument("--gpu-flops", type=float, default=None, help="dense bf16 TFLOP/s")
+    p.add_argument("--context", type=int, default=1024, help="KV tokens per row (prompt + generated so far)")
+    return p
+
+
+def target_config(spec: str) -> dict:
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec) / "config.json" if Path(spec).is_dir() else Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"--target {spec!r}: not a preset ({', '.join(PRESETS)}) nor a config.json / "
+                                "model directory")
+    return json.loads(path.read_text())
+
+
+def settings(args: argparse.Namespace) -> list[dict]:
+    """(label, tau, k, tree, drafter kind) per setting to predict."""
+    if args.report is None:
+        if args.tau < 1 or args.k < 1:
+            raise ValueError(f"--tau {args.tau} --k {args.k}: tau counts the bonus token (>= 1) and k >= 1")
+        tree = {"total_tokens": args.tree_size, "topk": args.topk} if args.tree_size else None
+        return [dict(label="given", tau=args.tau, k=args.k, tree=tree, drafter=args.drafter)]
+    path = Path(args.report)
+    if not path.is_file():
+        raise FileNotFoundError(f"--report {path}: no such file (a spectrain eval report.json)")
+    sweep = json.loads(path.read_text()).get("batch_sweep")
+    if not sweep:
+        raise ValueError(f"--report {path} has no batch_sweep: run spectrain eval with --batch-size")
+    out = {}
+    for c in sweep["cells"]:  # the smallest batch size comes first
+        kind = next((k for k in registry.TRAINING_FREE if c["drafter"].startswith(k)), args.drafter)
+        out.setdefault((c["drafter"], c["config"]), dict(label=f"{c['drafter']} {c['config']}", tau=c["tau"],
+                                                        k=c["k"], tree=c["tree"], drafter=kind))
+    return list(out.values())
+
+
+def main(args: argparse.Namespace) -> int:
+    custom = args.gpu is None and args.gpu_bandwidth and args.gpu_flops
+    acc = roofline.accelerator(None if custom else (args.gpu or "H100"), args.gpu_bandwidth and args.gpu_bandwidth * 1e9,
+                               args.gpu_flops and args.gpu_flops * 1e12)
+    cfg = target_config(args.target)
+    tc = roofline.target_cost(cfg)
+    rows = settings(args)
+    print(f"PREDICTED (roofline), {args.target} bf16 on {acc.name}: {acc.bandwidth / 1e9:.0f} GB/s, "
+          f"{acc.flops / 1e12:.0f} TFLOP/s, context {args.context}\n")
+    print("| setting | tau | " + " | ".join(f"B={b}" for b in BATCHES) + " | crossover |")
+    print("|---|---|" + "---|" * len(BATCHES) + "---|")
+    for s in rows:
+        cost = DRAFTER_COST.get(s["drafter"])
+        draft = cost(cfg, args.draft_vocab) if cost else None
+        tree = s["tree"]
+        spec = roofline.Speculation(s["tau"], 1 + (tree["total_tokens"] if tree else s["k"]), draft,
+                                    s["k"] if draft else 0, tree["topk"] if tree else 1)
+        c = roofline.curve(tc, spec, acc, BATCHES, args.context)
+        cross = "none in range" if c["crossover"] is None else f"B = {c['crossover']}"
+        print(f"| {s['label']} | {s['tau']:.2f} | " + " | ".join(f"{x:.2f}" for x in c["predicted_speedup"])
+              + f" | {cross} |")
+    return 0
