@@ -34,7 +34,7 @@ FORBIDDEN_NESTED = {"gradient_accumulation_steps", "gradient_clipping"}
 def _launch_args(path: Path):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
-    args = launch_command_parser().parse_args(["--config_file", str(path), "scripts/train.py", "recipe.yaml"])
+    args = launch_command_parser().parse_args(["--config_file", str(path), "-m", "spectrain", "train", "recipe.yaml"])
     args, defaults, _ = _validate_launch_command(args)
     return args, defaults
 
@@ -78,6 +78,26 @@ def test_config_parses_with_accelerate(name):
     assert str(cfg.distributed_type) in (dist_type, f"DistributedType.{dist_type}")
     assert cfg.num_processes == nproc
     assert f"recipes/accelerate/{name}.yaml" in path.read_text(), "the header must show its own launch line"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_header_launch_lines_run_the_spectrain_module(name):
+    """Every `accelerate launch` / `torchrun` line of a config's header starts `-m spectrain train RECIPE` (no
+    checkout-only script), and accelerate's own parser reads it as a module launch."""
+    import shlex
+
+    from accelerate.commands.launch import launch_command_parser
+
+    header = (CONFIG_DIR / f"{name}.yaml").read_text().splitlines()
+    lines = [line.lstrip("#").strip().strip("()") for line in header  # the indented command lines, not the prose
+             if line.startswith("#   ") and ("accelerate launch" in line or "torchrun" in line)]
+    launches = [line[line.index("accelerate launch"):] for line in lines if "accelerate launch" in line]
+    assert launches, f"{name}: no `accelerate launch` line in the header"
+    for line in lines:
+        assert "-m spectrain train RECIPE" in line, f"{name}: {line!r}"
+    for line in launches:
+        args = launch_command_parser().parse_args(shlex.split(line)[2:])
+        assert args.module and args.training_script == "spectrain" and args.training_script_args == ["train", "RECIPE"]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -15,7 +15,7 @@ like axolotl / TRL / torchtune do; the child processes see ``SPECTRAIN_LAUNCHED=
 - Without CUDA, N ranks go through the shipped ``cpu_ddp`` config plus ``ACCELERATE_USE_CPU=1``: the
   only accelerate path that really starts N gloo ranks on CPU (``--cpu --num_processes N`` and
   MULTI_CPU configs start one process; see recipes/accelerate/cpu_ddp.yaml).
-- Already under a launcher (``accelerate launch -m spectrain train ...``, torchrun, scripts/train.py)
+- Already under a launcher (``accelerate launch -m spectrain train ...``, ``torchrun -m spectrain train ...``)
   the launch settings are ignored and this process trains (on a machine without CUDA with
   ``ACCELERATE_USE_CPU=1`` set for it, so those forms need no environment variable either).
 """
