@@ -28,17 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from spectrain.train import loop as T  # noqa: E402
-from spectrain.train import schedule as S  # noqa: E402
-from spectrain.train.setup import drafter_class  # noqa: E402
+from spectrain.train import loop as T
+from spectrain.train import schedule as S
+from spectrain.train.setup import drafter_class
 
 
 def _sync(device) -> None:

@@ -52,6 +52,7 @@ HANDWRITTEN = {
     "| rule | test |",
     "| fact | where | what spectrain does |",
     "| what | before | after |",
+    "| before | after | why |",  # docs/layout.md: renames and moved scripts (scripts/gen_layout.py)
 }
 
 
@@ -215,7 +216,7 @@ QS_TABLES = [f"qs{steps}_{what}_T{t}" for steps, whats in (
     ("200", ("tau", "vs_speculators", "vs_speculators_default", "vs_speculators_default_lr2e-3")))
     for what in whats for t in (0, 1)]
 
-# the SmolLM2 quality study stores only the tables its runs produced (scripts/smollm2_quality_tables.py)
+# the SmolLM2 quality study stores only the tables its runs produced (scripts/studies/smollm2_quality_tables.py)
 SQ = "eval/reference/smollm2_quality.json"
 SQ_TABLES = list(json.loads((ROOT / SQ).read_text())["tables"]) if (ROOT / SQ).is_file() else []
 

@@ -1,12 +1,12 @@
 """GPU checks behind scripts/gpu_check.sh: training throughput + MFU on a synthetic ~1B Llama target,
 tokens/s of a finished tiny run, and greedy losslessness of speculative decoding on the device.
 
-    python scripts/gpu_check.py synthetic --out DIR [--steps 30] [--seq 2048] [--micro 4]
-    python scripts/gpu_check.py tiny-report --run runs/tiny-eagle3 --out DIR     # -> DIR/tiny_train_<kind>.json
-    python scripts/gpu_check.py lossless --out DIR [--target assets/reference-target] [--drafter DIR ...]
-    python scripts/gpu_check.py summary --out DIR
+    python -m scripts.gpu_check synthetic --out DIR [--steps 30] [--seq 2048] [--micro 4]
+    python -m scripts.gpu_check tiny-report --run runs/tiny-eagle3 --out DIR     # -> DIR/tiny_train_<kind>.json
+    python -m scripts.gpu_check lossless --out DIR [--target assets/reference-target] [--drafter DIR ...]
+    python -m scripts.gpu_check summary --out DIR
     # CPU dry run of the same code paths (seconds; numbers meaningless):
-    python scripts/gpu_check.py synthetic --device cpu --size tiny --steps 3 --seq 64 --micro 2 --out /tmp/g
+    python -m scripts.gpu_check synthetic --device cpu --size tiny --steps 3 --seq 64 --micro 2 --out /tmp/g
 
 Each subcommand writes DIR/<name>.json and prints one summary line. Not a test: CI never runs it.
 
@@ -26,14 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
 # Llama-3.2-1B's shape with random weights (1.24B parameters, tied embeddings): no download needed.
 SIZES = {

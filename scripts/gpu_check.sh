@@ -78,10 +78,10 @@ if want tiny && [ -f assets/reference-target/config.json ]; then
     for fam in $FAMILIES; do
         run="$RESULTS/tiny-$fam"
         rm -rf "$run"
-        run_step tiny_train_$fam 600 python scripts/train.py "recipes/tiny/$fam.yaml" \
+        run_step tiny_train_$fam 600 python -m spectrain train "recipes/tiny/$fam.yaml" \
             "training.max_steps=$TINY_STEPS" "training.precision=$PRECISION" training.eval_every=100 \
             training.checkpoint_every=0 training.resume_from= "tracking.report_to=[jsonl]" "output_dir=$run"
-        run_step tiny_train_$fam 60 python scripts/gpu_check.py tiny-report --run "$run" --out "$RESULTS" \
+        run_step tiny_train_$fam 60 python -m scripts.gpu_check tiny-report --run "$run" --out "$RESULTS" \
             --device "$DEVICE"
         if [ -d "$run/last" ]; then DRAFTERS+=(--drafter "$run/last"); fi
     done
@@ -92,11 +92,11 @@ fi
 
 # 2. synthetic ~1B target: EAGLE-3 training throughput and MFU
 rm -rf "$RESULTS/synthetic-run" "$RESULTS/synthetic.log"
-want synthetic && run_step synthetic 900 python scripts/gpu_check.py synthetic --out "$RESULTS" --device "$DEVICE" "${SYN_ARGS[@]}"
+want synthetic && run_step synthetic 900 python -m scripts.gpu_check synthetic --out "$RESULTS" --device "$DEVICE" "${SYN_ARGS[@]}"
 
 # 3. greedy losslessness on the device
 rm -f "$RESULTS/lossless.log"
-want lossless && run_step lossless 900 python scripts/gpu_check.py lossless --out "$RESULTS" --device "$DEVICE" \
+want lossless && run_step lossless 900 python -m scripts.gpu_check lossless --out "$RESULTS" --device "$DEVICE" \
     --target assets/reference-target "${LOSSLESS_ARGS[@]}" "${DRAFTERS[@]}"
 
 # 4. the wheel in this (GPU) environment, run from an empty directory
@@ -150,7 +150,7 @@ if want sweep; then
 fi
 
 # 6. summary
-python scripts/gpu_check.py summary --out "$RESULTS" --device "$DEVICE" || failed+=("summary")
+python -m scripts.gpu_check summary --out "$RESULTS" --device "$DEVICE" || failed+=("summary")
 if [ ${#failed[@]} -gt 0 ]; then
     echo "gpu_check: failed steps: ${failed[*]}" | tee -a "$RESULTS/summary.md" >&2
     exit 1

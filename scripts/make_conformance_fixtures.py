@@ -3,9 +3,10 @@
 
 Run from the repository root with a Python that has `speculators` installed (it pins torch / transformers
 versions of its own, so use a separate virtual environment; the anchor README in ../shared/anchors/
-speculators_cpu shows how to build one):
+speculators_cpu shows how to build one). spectrain is not installed there: PYTHONPATH=. makes the checkout's
+importable (only the spectrain_<variant> fixtures need it; ``--record`` does not):
 
-    /work/spec_venv/bin/python scripts/make_conformance_fixtures.py --out tests/fixtures/conformance
+    PYTHONPATH=. /work/spec_venv/bin/python scripts/make_conformance_fixtures.py --out tests/fixtures/conformance
 
 It writes (all small, fp32, < 2 MB in total):
 - ``target/``: a tiny random Llama (8 layers, hidden 32, vocab 128), saved once so both environments use
@@ -40,13 +41,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-REPO = Path(__file__).resolve().parents[1]
 AUX = [2, 4, 5]
 TTT = 3
 SEQ = 24
@@ -187,7 +186,6 @@ def speculators_variant(out: Path, name: str, target_dir: Path, target, ids, aux
 
 
 def spectrain_variant(out: Path, name: str, target_dir: Path, ids, aux, meta: dict) -> None:
-    sys.path.insert(0, str(REPO))
     from transformers import LlamaForCausalLM
 
     from spectrain.drafters.eagle3.model import Eagle3Head

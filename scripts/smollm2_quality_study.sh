@@ -23,7 +23,7 @@
 #   draftdiv2 the same with drafter.loss=rkl beside jsd (paired with draftdiv's fkl run)
 #   draft     the draft model, 150 steps, on-policy fraction 0.5 (fixed data: runs/smollm2-draft/best)
 #   eval*     tau per set at T=0 and T=1, chain k=3, $N prompts per set, 48 new tokens
-#   table     eval/reference/smollm2_quality.json (scripts/smollm2_quality_tables.py), rendered by gen_tables.py
+#   table     eval/reference/smollm2_quality.json (scripts/studies/smollm2_quality_tables.py), rendered by gen_tables.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGES=${STAGES:-"rows specdata spec eagle3 eagle3lr lk medusa draftdiv draftdiv2 draft evalspec evalvariants evallr evallk evalmedusa evaldraftdiv evaldraftdiv2 evaldraft table"}
@@ -67,14 +67,14 @@ spec() {  # $1: run dir, $2: lr
 if has spec; then for r in ${SPEC_RUNS:-spec_default:1e-3 spec_lr2e-3:2e-3}; do spec "${r%%:*}" "${r#*:}"; done; fi
 if has eagle3; then
   stage eagle3
-  python scripts/onpolicy_study.py --family eagle3 --recipe recipes/smollm2-135m/eagle3.yaml --steps "$E3_STEPS" \
+  python -m scripts.studies.onpolicy_study --family eagle3 --recipe recipes/smollm2-135m/eagle3.yaml --steps "$E3_STEPS" \
     --work "$W" --variants fkl,lk,rollout0.5 | tee "$W/eagle3_variants.md"
   done_in eagle3
 fi
 if has eagle3lr; then  # two jobs at once, one per core
   stage eagle3lr
   for v in fkl,packed rollout0.5; do
-    python scripts/onpolicy_study.py --family eagle3 --recipe recipes/smollm2-135m/eagle3.yaml --steps 300 \
+    python -m scripts.studies.onpolicy_study --family eagle3 --recipe recipes/smollm2-135m/eagle3.yaml --steps 300 \
       --work "$W/lr1e-3" --variants $v --set training.lr=1e-3 "training.adam_betas=[0.9,0.999]" \
       training.checkpoint_every=50 > "$W/lr1e-3/${v%%,*}.log" 2>&1 &
   done
@@ -85,7 +85,7 @@ pair() {  # $1: stage (its work dir under $W), $2: family, $3: steps, $4 $5: two
   # resumable: a stopped stage continues from each run's last checkpoint
   stage "$1"
   for v in "$4" "$5"; do
-    python scripts/onpolicy_study.py --family "$2" --recipe "recipes/smollm2-135m/$2.yaml" --steps "$3" \
+    python -m scripts.studies.onpolicy_study --family "$2" --recipe "recipes/smollm2-135m/$2.yaml" --steps "$3" \
       --work "$W/$1" --variants "$v" --set training.checkpoint_every=50 training.resume_from=auto \
       > "$W/$1/$v.log" 2>&1 &
   done
@@ -98,7 +98,7 @@ if has draftdiv; then pair draftdiv draft 150 fixed tvd; fi
 if has draftdiv2; then pair draftdiv draft 150 rkl jsd; fi
 if has draft; then
   stage draft
-  python scripts/onpolicy_study.py --family draft --recipe recipes/smollm2-135m/draft.yaml --steps 150 \
+  python -m scripts.studies.onpolicy_study --family draft --recipe recipes/smollm2-135m/draft.yaml --steps 150 \
     --work "$W" --variants on_policy0.5 | tee "$W/draft_variants.md"
   done_in draft
 fi
@@ -140,5 +140,5 @@ if has evaldraftdiv; then heads; ev -draftdiv-a draft_fixed_rerun & ev -draftdiv
 if has evaldraftdiv2; then heads; ev -draftdiv-c draft_rkl & ev -draftdiv-d draft_jsd & wait; fi
 if has evallk; then heads; ev -lk-a e3_default_rerun & ev -lk-b e3_lk_packed & wait; fi  # one job per core
 if has table; then  # the stored tables (eval/reference/smollm2_quality.json), rendered into the docs
-  python scripts/smollm2_quality_tables.py --work "$W" && python scripts/gen_tables.py
+  python -m scripts.studies.smollm2_quality_tables --work "$W" && python scripts/gen_tables.py
 fi

@@ -1,4 +1,4 @@
-"""scripts/quality_study.py: the speculators reference runs it plans and the tables it writes (no training here)."""
+"""scripts/studies/quality_study.py: the speculators reference runs it plans and the tables it writes (no training here)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import load_script
+
+from scripts.studies import quality_study
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
 def qs():
-    return load_script("quality_study")
+    return quality_study
 
 
 def _planned(qs, tmp_path, monkeypatch, steps: int, train_rows: int, **flags) -> list[list[str]]:

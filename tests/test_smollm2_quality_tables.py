@@ -1,4 +1,4 @@
-"""scripts/smollm2_quality_tables.py: tau and paired tables from eval reports (no decoding here)."""
+"""scripts/studies/smollm2_quality_tables.py: tau and paired tables from eval reports (no decoding here)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import load_script
+
+from scripts.studies import smollm2_quality_tables
 
 
 @pytest.fixture
 def sq():
-    return load_script("smollm2_quality_tables")
+    return smollm2_quality_tables
 
 
 def _record(head: str, temp: int, pset: str, tokens: list[int], passes: list[int]) -> dict:

@@ -2,12 +2,12 @@
 them all (and the speculators reference head) in ONE `spectrain eval` run, and tabulate tau with 95%
 bootstrap intervals.
 
-    python scripts/quality_study.py --steps 200 --work /tmp/qs                       # every variant
-    python scripts/quality_study.py --steps 800 --work /tmp/qs --variants main,best   # a subset
-    python scripts/quality_study.py --steps 200 --work /tmp/qs --speculators          # + the reference head
-    python scripts/quality_study.py --steps 200 --work /tmp/qs --speculators --spec-default  # + its default layout
-    python scripts/quality_study.py --steps 200 --work /tmp/qs --stage eval --extra spec=/tmp/qs/spec200/head
-    python scripts/quality_study.py ... --device cuda                                 # on a GPU
+    python -m scripts.studies.quality_study --steps 200 --work /tmp/qs                       # every variant
+    python -m scripts.studies.quality_study --steps 800 --work /tmp/qs --variants main,best   # a subset
+    python -m scripts.studies.quality_study --steps 200 --work /tmp/qs --speculators          # + the reference head
+    python -m scripts.studies.quality_study --steps 200 --work /tmp/qs --speculators --spec-default  # + its default layout
+    python -m scripts.studies.quality_study --steps 200 --work /tmp/qs --stage eval --extra spec=/tmp/qs/spec200/head
+    python -m scripts.studies.quality_study ... --device cuda                                 # on a GPU
 
 Stages (``--stage``): ``train`` (variants one after another; a variant whose ``best/`` exists is
 skipped, so an interrupted study resumes), ``speculators`` (the public speculators 0.9.0 trainer on
@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny/eagle3.yaml"
 SETS = ["heldout", "spec_bench/mt_bench", "spec_bench/summarization", "spec_bench/math_reasoning",
         "spec_bench/rag", "humaneval"]
@@ -196,7 +196,6 @@ def table(a) -> str:
 def paired_vs(recs: list[dict], sets: list[str], ref: str) -> list[str]:
     """tau(head) - tau(ref) per set with a paired 95% bootstrap interval (same prompts, resampled jointly),
     and the mean over sets of tau(head) / tau(ref)."""
-    sys.path.insert(0, str(ROOT))
     from spectrain.eval.stats import paired_diff_ci
 
     by = {(Path(r["drafter"]).name, r["temperature"], r["prompt_set"]): r for r in recs}

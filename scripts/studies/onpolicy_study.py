@@ -1,10 +1,10 @@
 """Short training runs of the on-policy / acceptance-loss options against each family's default, tabulated from
 metrics.jsonl (training-time PROXIES: held-out teacher-forced sim_tau at T=0 and T=1, no decoding).
 
-    python scripts/onpolicy_study.py --family eagle3 --steps 100 --work /tmp/ops      # fkl, accept, lk, rollout
-    python scripts/onpolicy_study.py --family medusa --steps 100 --work /tmp/ops      # fkl, accept, lk
-    python scripts/onpolicy_study.py --family draft --steps 100 --work /tmp/ops       # fixed, on-policy 0.5 / 1.0
-    python scripts/onpolicy_study.py --family draft --recipe recipes/smollm2-135m/draft.yaml ...  # another target
+    python -m scripts.studies.onpolicy_study --family eagle3 --steps 100 --work /tmp/ops      # fkl, accept, lk, rollout
+    python -m scripts.studies.onpolicy_study --family medusa --steps 100 --work /tmp/ops      # fkl, accept, lk
+    python -m scripts.studies.onpolicy_study --family draft --steps 100 --work /tmp/ops       # fixed, on-policy 0.5 / 1.0
+    python -m scripts.studies.onpolicy_study --family draft --recipe recipes/smollm2-135m/draft.yaml ...  # another target
 
 Every variant runs in this process, one after another; one whose run finished is not retrained. Every run
 uses ``--threads`` torch threads (default 1: the machine is shared), evaluates on the held-out split at its
@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 # EAGLE-3 runs unpacked: the rollout option does not support packing yet, and the baseline must match it
 VARIANTS: dict[str, dict[str, list[str]]] = {
     "eagle3": {"packed": [],  # the recipe as it is (packing is the EAGLE-3 recipes' default)

@@ -1,7 +1,7 @@
 """The SmolLM2 drafter-quality study's stored tables (eval/reference/smollm2_quality.json), from its eval reports
 and training logs (scripts/smollm2_quality_study.sh writes them under --work):
 
-    python scripts/smollm2_quality_tables.py --work runs/study16 [--out eval/reference/smollm2_quality.json]
+    python -m scripts.studies.smollm2_quality_tables --work runs/study16 [--out eval/reference/smollm2_quality.json]
 
 Tables: tau [95% CI] per head, prompt set and temperature; paired differences (spectrain compare's intervals:
 prompts matched by id, resampled jointly) of every head against each reference, with the mean over sets of the
@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from onpolicy_study import summarize  # noqa: E402
+from scripts.studies.onpolicy_study import summarize
+from spectrain.eval.compare import compare
 
-from spectrain.eval.compare import compare  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 SETS = ["heldout", "mt_bench", "humaneval"]
 # (table name, reference head, compared heads)
@@ -156,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     prov = {"what": "scripts/smollm2_quality_study.sh: spectrain's EAGLE-3 default against speculators 0.9.0 at equal "
                     "budget, EAGLE-3 loss / rollout variants, draft-model on-policy distillation, on "
                     "SmolLM2-135M-Instruct; decoded by spectrain's lossless decoder (chain k=3, 48 new tokens, seed 0)",
-            "command": "bash scripts/smollm2_quality_study.sh && python scripts/smollm2_quality_tables.py --work "
+            "command": "bash scripts/smollm2_quality_study.sh && python -m scripts.studies.smollm2_quality_tables --work "
                        "runs/study16",
             "settings": "tau with 95% bootstrap intervals over prompts; paired tables: head - reference with the "
                         "paired 95% interval (prompts matched by id), then the mean and the lowest of the per-set "
