@@ -99,6 +99,16 @@ NAMES_29 = """## Names: one meaning per word (issue 29)
 `Family.drafter` keeps its name: it loads the decode-side drafter. `DraftStudent` (the draft model's module) and
 `MedusaHeads` already say what they hold."""
 
+SCRIPTS_29 = """## Scripts: features as commands, studies together (issue 29)
+
+| before | after | why |
+|---|---|---|
+| `scripts/plot_training.py RUN` | `spectrain plot RUN [--out PNG]` (`train/plot.py`) | a feature users need: a command of the installed package, with one-line errors (no run directory, no metrics.jsonl, no step records) |
+| `scripts/predict_crossover.py ...` | `spectrain crossover ...` (`eval/crossover.py`), same options | the same; a bad `--target` / `--report` is one line and exit 2 |
+| `scripts/train.py RECIPE` | `spectrain train RECIPE`, `accelerate launch ... -m spectrain train RECIPE`, `torchrun ... -m spectrain train RECIPE` | superseded: both launchers run the package's module, from any directory |
+| `scripts/quality_study.py`, `scripts/onpolicy_study.py`, `scripts/smollm2_quality_tables.py` | `scripts/studies/` (a package): `python -m scripts.studies.NAME` from the repository root | studies live together and import each other as modules (`from scripts.studies.onpolicy_study import summarize`), not through `sys.path` |
+| `sys.path.insert` in `scripts/bench_train.py`, `gpu_check.py`, `check_speculators_import.py`, `make_conformance_fixtures.py` | none | spectrain is the installed package (`pip install -e .`); `gpu_check.sh` runs `python -m scripts.gpu_check` (a bare device checkout); the speculators venv gets `PYTHONPATH=.` |"""
+
 # the flat layout before the split (spectrain/*.py) -> where each module went
 MOVED = {
     "errors": "io/errors", "integrity": "io/integrity", "outputs": "io/outputs", "resources": "io/resources",
@@ -134,7 +144,7 @@ def render() -> str:
     out += [RECORD_29, ""]
     out += ["## Old path -> new path", ""]
     out += [f"- `{old}.py` -> " + ", ".join(f"`{n.strip()}.py`" for n in new.split(",")) for old, new in MOVED.items()]
-    out += ["", NAMES_29]  # after the old -> new heading: old names on purpose
+    out += ["", NAMES_29, "", SCRIPTS_29]  # after the old -> new heading: old names on purpose
     return "\n".join(out) + "\n"
 
 
