@@ -422,3 +422,23 @@ def test_regenerate_with_engine_refuses_a_target_that_is_not_gguf_and_server_wit
     assert cli_main(["regenerate", str(recipe), "--out", out, "--engine", "llama.cpp", "--server", "http://x"]) == 2
     assert "give one" in capsys.readouterr().err
     assert not (engine.binary(fake.STATE)).exists()  # nothing was started
+
+
+def test_a_sigterm_to_the_caller_stops_the_server_and_restores_the_handler(engine, tmp_path):
+    """A scheduler's or `timeout`'s SIGTERM ends the caller through SystemExit inside the `with`, so the server (its
+    own session, out of reach of the caller's group) is stopped instead of serving forever."""
+    code = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "import fake_llama_server as fake\nfrom spectrain.engines.server import LlamaServer\n"
+            f"e = fake.install(__import__('pathlib').Path({str(tmp_path / 'e')!r}))\n"
+            f"with LlamaServer(e, 'm.gguf', log={str(tmp_path / 's.log')!r}):\n"
+            "    print('up', flush=True); time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "up"
+    st = fake.state(tmp_path / "e")
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(30) == 128 + signal.SIGTERM
+    assert not fake.alive(st["pid"]) and not fake.alive(st["child"])
+    before = signal.getsignal(signal.SIGTERM)
+    with LlamaServer(engine, tmp_path / "m.gguf", log=tmp_path / "t.log"):
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before

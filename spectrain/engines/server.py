@@ -20,6 +20,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -71,6 +72,19 @@ def server_command(engine: Engine, model: Path, port: int, threads: int, ctx: in
     return cmd
 
 
+def _stop_on_sigterm():
+    """A SIGTERM (a scheduler, `timeout`, `kill`) would end Python without running ``__exit__`` and leave the server,
+    which runs in its own session, serving forever: turn it into SystemExit while a server is up, so the ``with``
+    block stops it. Returns the handler to restore (None off the main thread, where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
 class LlamaServer:
     """A llama-server process: a context manager that starts it, waits for /health and stops it."""
 
@@ -95,12 +109,22 @@ class LlamaServer:
         self.log = Path(log) if log else Path(os.devnull)
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None
+        self._on_term = None  # the SIGTERM handler to restore on exit
+
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> LlamaServer:
+        self._on_term = _stop_on_sigterm()
+        try:
+            return self._start()
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def _start(self) -> LlamaServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -121,6 +145,9 @@ class LlamaServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+        if self._on_term is not None:
+            signal.signal(signal.SIGTERM, self._on_term)
+            self._on_term = None
 
     def stop(self) -> None:
         """Its whole process group: SIGTERM, then SIGKILL after 10 s."""
