@@ -254,7 +254,7 @@ def test_offline_first_step_loss_equals_online(tmp_path):
     write_feature_cache(target, {"train": rows, "heldout": held}, tmp_path / "cache", [], dtype="fp32",
                         max_length=512, verbose=False)
     off = loop_recipe(tmp_path / "off", max_steps=2, features="offline", feature_cache=str(tmp_path / "cache"))
-    T.train(off, target=target)
+    T.train(off, target=target, train_rows=rows, heldout_rows=held)
     a, b = losses(tmp_path / "on"), losses(tmp_path / "off")
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2]
     assert all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for (_, x), (_, y) in zip(a, b)), (a, b)

@@ -134,3 +134,28 @@ def test_bytes_per_token_documented_numbers():
     assert bytes_per_token(4096, 3, "bf16") == 8 * 4096 + 5
     assert bytes_per_token(4096, 3, "fp32") == 16 * 4096 + 5
     assert bytes_per_token(4096, 3, "fp8") == 5 * 4096 + 9
+
+
+def test_cache_serves_the_recipes_rows_or_their_prefix_and_refuses_other_data(target, head, tmp_path):
+    """A recipe's data must be what the cache was written from (all its rows, or the first N: data.max_rows
+    takes a smaller sample of one cache); other data is refused instead of training silently on the cache."""
+    from spectrain.data.dataset import token_frequencies
+
+    rows = make_rows(10)
+    write_feature_cache(target, {"train": rows}, tmp_path, head.aux_layers, "bf16", max_length=512,
+                        shard_mb=40 * bytes_per_token(32, 3, "bf16") / 2**20, verbose=False)  # shards of ~3 rows
+    full = FeatureCache(tmp_path, target, pad_id=0)
+    full.match(rows)
+    assert len(full) == 10
+    prefix = make_rows(10)  # the same rows, rebuilt; keep the first 5 (crosses a shard boundary)
+    part = ChatDataset.from_rows([(f"row{i}", prefix[i]["input_ids"].tolist(), prefix[i]["loss_mask"].tolist())
+                                  for i in range(5)], SkipReport())
+    cache = FeatureCache(tmp_path, target, pad_id=0)
+    cache.match(part)
+    assert len(cache) == 5 and cache.lengths == full.lengths[:5]
+    assert torch.equal(cache.token_frequencies(), token_frequencies(part, cache.manifest["vocab_size"]))
+    with pytest.raises(IndexError):
+        cache.row(5)
+    for other in (make_rows(10, seed=1), make_rows(3, seed=1), make_rows(11)):
+        with pytest.raises(ValueError, match="not what feature cache .* holds .*prepare-features"):
+            FeatureCache(tmp_path, target, pad_id=0).match(other)

@@ -316,7 +316,7 @@ def test_offline_features_give_the_online_losses(target, tmp_path):
     write_feature_cache(target, {"train": rows, "heldout": held}, tmp_path / "cache", [], dtype="fp32",
                         max_length=online.data.max_length, verbose=False)
     T.train(medusa_recipe(tmp_path / "off", max_steps=3, features="offline", feature_cache=str(tmp_path / "cache")),
-            target=target)
+            target=target, train_rows=rows, heldout_rows=held)
     a, b = _train_records(tmp_path / "on")[0], _train_records(tmp_path / "off")[0]
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
     for x, y in zip(a, b):

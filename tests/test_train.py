@@ -272,7 +272,7 @@ def test_offline_features_train_like_online(tmp_path):
     write_feature_cache(target, {"train": rows, "heldout": held}, tmp_path / "cache", aux, dtype="fp32",
                         max_length=online.data.max_length, verbose=False)
     offline = tiny_recipe(tmp_path / "off", max_steps=3, features="offline", feature_cache=str(tmp_path / "cache"))
-    T.train(offline, target=target)
+    T.train(offline, target=target, train_rows=rows, heldout_rows=held)
     a, b = losses(tmp_path / "on"), losses(tmp_path / "off")
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3]
     assert all(abs(x - y) <= 1e-6 * max(1.0, abs(x)) for (_, x), (_, y) in zip(a, b)), (a, b)

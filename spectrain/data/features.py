@@ -364,12 +364,49 @@ class FeatureCache:
                 feats["final_hidden"] = self.target.norm(feats["last_hidden"])
         return batch, feats
 
+    def _token_prefix(self, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Shard j's input_ids, loss_mask and offsets, cut to the rows this cache serves (see ``match``)."""
+        f, offsets = self._handle(j)
+        n = max(0, min(len(self) - self.starts[j], len(offsets) - 1))
+        end = int(offsets[n])
+        return f.get_slice("input_ids")[:end].long(), f.get_slice("loss_mask")[:end].bool(), offsets[: n + 1]
+
+    def match(self, rows) -> None:
+        """Serve only ``rows`` (the recipe's tokenised split), which must be the cache's rows or their first
+        len(rows): a recipe whose data is not what the cache was written from fails here instead of training
+        silently on other data. A prefix is how ``data.max_rows`` takes a smaller sample of one cache."""
+        n, have = len(rows), len(self.lengths)
+        want = data_hash(rows)
+        if n == have and want == self.manifest["splits"][self.split]["data_hash"]:
+            return
+        if n < have:
+            kept, self.lengths = self.lengths, self.lengths[:n]
+            if want == self._prefix_hash():
+                return
+            self.lengths = kept
+        raise ValueError(f"the recipe's {self.split} data ({n} rows from data.train_files, max_rows, max_length) is "
+                         f"not what feature cache {self.path} holds ({have} rows, or their first {n}): write a cache "
+                         "for this data with `spectrain prepare-features RECIPE` into another "
+                         "training.feature_cache, or train with the data the cache was written from")
+
+    def _prefix_hash(self) -> str:
+        h = hashlib.sha256()
+        for j in range(len(self.shards)):
+            if self.starts[j] >= len(self):
+                break
+            ids, mask, offsets = self._token_prefix(j)
+            for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+                h.update(ids[a:b].numpy().tobytes())
+                h.update(mask[a:b].to(torch.uint8).numpy().tobytes() + b"|")
+        return h.hexdigest()[:32]
+
     def token_frequencies(self) -> torch.Tensor:
         """Counts over the target vocab of tokens under the loss mask (for the EAGLE-3 draft vocab)."""
         counts = torch.zeros(self.manifest["vocab_size"], dtype=torch.long)
         for j in range(len(self.shards)):
-            f, _ = self._handle(j)
-            ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
+            if self.starts[j] >= len(self):
+                break
+            ids, mask, _ = self._token_prefix(j)
             counts += torch.bincount(ids[mask], minlength=counts.numel())
         return counts
 

@@ -26,7 +26,7 @@ from spectrain.train.distributed import (
     zero3,
 )
 from spectrain.train.schedule import build_optimizer, lr_factor
-from spectrain.train.sources import make_sources
+from spectrain.train.sources import make_sources, require_feature_cache
 
 
 def drafter_class(kind: str) -> type:
@@ -99,7 +99,8 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
         target = load_target_for(recipe, acc)
     if zero3(acc):
         shard_target(target)
-    if train_rows is None and t.features == "online":
+    require_feature_cache(recipe)
+    if train_rows is None:  # offline too: the feature cache must hold exactly these rows (FeatureCache.match)
         with acc.main_process_first():  # rank 0 tokenises and caches; the others read the cache
             train_rows = build_dataset(recipe.data, target.tokenizer, "train", verbose=acc.is_main_process)
             heldout_rows = build_dataset(recipe.data, target.tokenizer, "heldout", verbose=acc.is_main_process)

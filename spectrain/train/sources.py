@@ -49,16 +49,24 @@ def target_features(target, batch: dict, spec: FeatureSpec | dict) -> dict:
     return feats
 
 
+def require_feature_cache(recipe) -> str:
+    path = recipe.training.feature_cache
+    if recipe.training.features == "offline" and not path:
+        raise ValueError("training.features=offline needs training.feature_cache (the directory written by "
+                         "`spectrain prepare-features RECIPE`)")
+    return path
+
+
 def make_sources(recipe, target, train_rows, heldout_rows, device):
     """(train, heldout) sources with the same interface: len, lengths, bind(spec), get(indices)."""
     if recipe.training.features == "offline":
-        path = recipe.training.feature_cache
-        if not path:
-            raise ValueError("training.features=offline needs training.feature_cache (the directory written by "
-                             "`spectrain prepare-features RECIPE`)")
+        path = require_feature_cache(recipe)
         train = FeatureCache(path, target, recipe, "train", device=device)
-        held = FeatureCache(path, target, recipe, "heldout", device=device) \
-            if "heldout" in train.manifest["splits"] else None
+        train.match(train_rows)
+        held = None
+        if "heldout" in train.manifest["splits"] and heldout_rows is not None and len(heldout_rows):
+            held = FeatureCache(path, target, recipe, "heldout", device=device)
+            held.match(heldout_rows)
         return train, held
 
     pad = _pad_id(target)
