@@ -139,8 +139,8 @@ def packing(data: dict) -> str:
     return markdown(cols, rows)
 
 
-SMOLLM2_SETS = [("heldout", "held-out"), ("mt_bench", "MT-bench"), ("humaneval", "HumanEval"),
-                ("spec_bench/math_reasoning", "Spec-Bench math")]
+SMOLLM2_SETS = [("heldout", "held-out"), ("mt_bench", "MT-bench"), ("spec_bench/mt_bench", "MT-bench (Spec-Bench)"),
+                ("humaneval", "HumanEval"), ("spec_bench/math_reasoning", "Spec-Bench math")]
 
 
 def smollm2_label(drafter: str) -> str:
@@ -150,11 +150,14 @@ def smollm2_label(drafter: str) -> str:
     if drafter.startswith("hf:assisted="):
         return "HF assisted (draft model)"
     fam = Path(drafter).parent.name.removeprefix("smollm2-")  # runs/smollm2-eagle3/best -> eagle3
+    if fam.startswith("rows") and fam[4:].isdigit():  # runs/data-scaling/rows5000/best: the data-scaling study
+        return f"EAGLE-3 ({int(fam[4:]):,} rows)"
     return {"eagle3": "EAGLE-3", "medusa": "Medusa", "draft": "draft model"}.get(fam, drafter)
 
 
-def smollm2_rows(data: dict, keep) -> str:
-    """One row per (drafter, config) the filter keeps: alpha_1, tau [95% CI] and measured speedup per set."""
+def smollm2_rows(data: dict, keep, all_alpha: bool = False) -> str:
+    """One row per (drafter, config) the filter keeps: alpha_1 (alpha_1..k with all_alpha), tau [95% CI] and
+    measured speedup per set."""
     sets = [(ps, title) for ps, title in SMOLLM2_SETS if any(r["prompt_set"] == ps for r in data["records"])]
     recs = {(r["drafter"], r["config"], r["prompt_set"]): r for r in data["records"]}
     rows = []
@@ -166,10 +169,11 @@ def smollm2_rows(data: dict, keep) -> str:
         for ps, _ in sets:
             r = recs[(drafter, config, ps)]
             lo, hi = r["tau_ci"]
-            a1 = "-" if not r["alpha"] or r["alpha"][0] is None else f"{r['alpha'][0]:.2f}"
+            alphas = [a for a in (r["alpha"] if all_alpha else r["alpha"][:1])]
+            a1 = " ".join("-" if a is None else f"{a:.2f}" for a in alphas) or "-"
             row.append(f"{a1}, {r['tau']:.2f} [{lo:.2f}, {hi:.2f}], {r['measured_speedup']:.2f}x")
         rows.append(row)
-    first = f"{sets[0][1]}: alpha_1, tau [95% CI], speedup"
+    first = f"{sets[0][1]}: alpha_{'1..k' if all_alpha else '1'}, tau [95% CI], speedup"
     return markdown(["drafter, setting", "T", first] + [title for _, title in sets[1:]], rows)
 
 
@@ -182,6 +186,11 @@ def smollm2_headline(data: dict) -> str:
     """The README's SmolLM2 table: each drafter at k = 1 (T = 0 and 1), plus EAGLE-3's tree at T = 0."""
     return smollm2_rows(data, lambda d, c: c.startswith(("k=1 ", "plain ")) or
                         (smollm2_label(d) == "EAGLE-3" and c.startswith("tree") and c.endswith("T=0")))
+
+
+def smollm2_scale(data: dict) -> str:
+    """The EAGLE-3 head retrained on the 5,000 engine-written rows beside n-gram and HF prompt lookup."""
+    return smollm2_rows(data, lambda d, c: True, all_alpha=True)
 
 
 def smollm2_curve(data: dict) -> str:
@@ -232,6 +241,7 @@ TABLES: dict[str, tuple[str, object]] = {
     "smollm2_eval": ("eval/reference/smollm2_report.json", smollm2),
     "smollm2_headline": ("eval/reference/smollm2_report.json", smollm2_headline),
     "smollm2_cost_curve": ("eval/reference/smollm2_report.json", smollm2_curve),
+    "smollm2_scale": ("eval/reference/smollm2_scale_report.json", smollm2_scale),
     "smollm2_sweep": ("eval/reference/smollm2_sweep.json", smollm2_sweep),
     "smollm2_sweep_tree": ("eval/reference/smollm2_sweep_tree.json", smollm2_sweep),
     "batch_sweep_cpu": ("eval/reference/batch_sweep_cpu.json", _stored_table("batch_sweep_cpu")),
