@@ -1,6 +1,7 @@
 """Store the engine study's measured tables (docs/engine.md) from its two reports.
 
     python scripts/engine_tables.py runs/engine-study    # -> eval/reference/engine_smollm2.json
+    python scripts/engine_tables.py runs/engine-study-s14 engine_scale   # -> eval/reference/engine_scale.json
     python scripts/gen_tables.py                         # renders the tables into docs/engine.md
 
 Reads OUT/engine/report.json (spectrain eval --engine llama.cpp, with --conform-to OUT/own/report.json) and keeps
@@ -55,7 +56,7 @@ def curve_table(meta: dict) -> dict:
                      ["ms", *[1e3 * curve[t] for t in curve]]]}
 
 
-def main(study: str) -> int:
+def main(study: str, name: str = "engine") -> int:
     rep = json.loads((Path(study) / "engine" / "report.json").read_text())
     meta, records = rep["meta"], rep["records"]
     if "conformance" not in meta:  # the engine eval ran without --conform-to: pair with OUT/own afterwards
@@ -67,12 +68,13 @@ def main(study: str) -> int:
                            "command": meta["command"], "engine": meta["engine"], "date_utc": meta["date_utc"],
                            "grid_seconds": meta["grid_seconds"], "threads": meta["threads"],
                            "cost_curve_depth": meta["cost_curve"]["depth"], "greedy_agreement": agree},
-            "tables": {"engine_speed": speed_table(records), "engine_conformance": conformance_table(meta),
-                       "engine_cost_curve": curve_table(meta)}}
-    OUT.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {OUT}; plain greedy agreement engine vs spectrain: {agree}")
+            "tables": {f"{name}_speed": speed_table(records), f"{name}_conformance": conformance_table(meta),
+                       f"{name}_cost_curve": curve_table(meta)}}
+    out = OUT if name == "engine" else OUT.with_name(f"{name}.json")  # another study: its own file and table names
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {out}; plain greedy agreement engine vs spectrain: {agree}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "runs/engine-study"))
+    sys.exit(main(*(sys.argv[1:3] or ["runs/engine-study"])))

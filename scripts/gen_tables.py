@@ -256,6 +256,8 @@ TABLES: dict[str, tuple[str, object]] = {
     "engine_speed": ("eval/reference/engine_smollm2.json", _stored_table("engine_speed")),
     "engine_conformance": ("eval/reference/engine_smollm2.json", _stored_table("engine_conformance")),
     "engine_cost_curve": ("eval/reference/engine_smollm2.json", _stored_table("engine_cost_curve")),
+    "engine_scale_speed": ("eval/reference/engine_scale.json", _stored_table("engine_scale_speed")),
+    "engine_scale_conformance": ("eval/reference/engine_scale.json", _stored_table("engine_scale_conformance")),
     **{name: (QS, _stored_table(name)) for name in QS_TABLES},
     **{name: (SQ, _stored_table(name)) for name in SQ_TABLES},
 }
