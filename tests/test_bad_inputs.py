@@ -582,7 +582,8 @@ def test_corrupt_or_truncated_feature_shard_refused(tmp_path):
     from conftest import make_tiny_target
     from test_train import make_rows
 
-    from spectrain.data.features import FeatureCache, write_feature_cache
+    from spectrain.data.feature_cache import FeatureCache
+    from spectrain.data.features import write_feature_cache
 
     target = make_tiny_target("llama")
     write_feature_cache(target, {"train": make_rows(6)}, tmp_path, [1, 3, 5], "fp32", max_length=64, verbose=False)
@@ -1008,7 +1009,8 @@ def test_offline_feature_cache_refuses_a_target_with_other_layers(world, target,
     from test_train import make_rows
 
     from spectrain import load_target
-    from spectrain.data.features import FeatureCache, write_feature_cache
+    from spectrain.data.feature_cache import FeatureCache
+    from spectrain.data.features import write_feature_cache
 
     write_feature_cache(target, {"train": make_rows(4)}, tmp_path / "fc", [1, 3, 5], "fp32", max_length=64,
                         verbose=False)

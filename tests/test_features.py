@@ -12,7 +12,8 @@ from test_eagle3 import make_head, make_recipe
 
 from spectrain.data.chat import SkipReport
 from spectrain.data.dataset import ChatDataset, collate
-from spectrain.data.features import FeatureCache, bytes_per_token, main, write_feature_cache
+from spectrain.data.feature_cache import FeatureCache
+from spectrain.data.features import bytes_per_token, main, write_feature_cache
 
 torch.set_num_threads(1)
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny" / "eagle3.yaml")

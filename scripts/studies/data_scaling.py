@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from scripts.studies.quality_study import ROOT, sh
+from scripts.studies.quality_study import sh
 
 RECIPE = "recipes/smollm2-135m/eagle3.yaml"
 SETS = ["heldout", "spec_bench/mt_bench", "humaneval"]

@@ -1,5 +1,5 @@
 """Where a training batch's target features come from: the frozen target run inside the step (online),
-or the offline cache written by ``spectrain prepare-features`` (spectrain.data.features.FeatureCache). Both
+or the offline cache written by ``spectrain prepare-features`` (spectrain.data.feature_cache.FeatureCache). Both
 serve ``len``, ``lengths``, ``bind(feature_spec)`` and ``get(indices) -> (batch, feats)``."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from spectrain.data.dataset import collate
-from spectrain.data.features import FeatureCache, _pad_id
+from spectrain.data.feature_cache import FeatureCache
+from spectrain.data.features import _pad_id
 from spectrain.registry import FeatureSpec
 
 
