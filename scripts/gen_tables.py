@@ -150,8 +150,9 @@ def smollm2_label(drafter: str) -> str:
     if drafter.startswith("hf:assisted="):
         return "HF assisted (draft model)"
     fam = Path(drafter).parent.name.removeprefix("smollm2-")  # runs/smollm2-eagle3/best -> eagle3
-    if fam.startswith("rows") and fam[4:].isdigit():  # runs/data-scaling/rows5000/best: the data-scaling study
-        return f"EAGLE-3 ({int(fam[4:]):,} rows)"
+    rows, _, epochs = fam.removeprefix("rows").partition("-e")  # runs/data-scaling/rows5000[-e2]/best
+    if fam.startswith("rows") and rows.isdigit() and (not epochs or epochs.isdigit()):
+        return f"EAGLE-3 ({int(rows):,} rows" + (f", {epochs} epochs)" if epochs else ")")
     return {"eagle3": "EAGLE-3", "medusa": "Medusa", "draft": "draft model"}.get(fam, drafter)
 
 
@@ -225,9 +226,14 @@ QS_TABLES = [f"qs{steps}_{what}_T{t}" for steps, whats in (
     ("200", ("tau", "vs_speculators", "vs_speculators_default", "vs_speculators_default_lr2e-3")))
     for what in whats for t in (0, 1)]
 
-# the SmolLM2 quality study stores only the tables its runs produced (scripts/studies/smollm2_quality_tables.py)
-SQ = "eval/reference/smollm2_quality.json"
-SQ_TABLES = list(json.loads((ROOT / SQ).read_text())["tables"]) if (ROOT / SQ).is_file() else []
+# stored files whose every table is rendered, whatever their names: the SmolLM2 quality study keeps only the
+# tables its runs produced (scripts/studies/smollm2_quality_tables.py), the data-scaling study one per temperature
+# (scripts/studies/data_scaling.py --store)
+WHOLE_FILES = ["eval/reference/smollm2_quality.json", "eval/reference/smollm2_data_scaling.json"]
+
+
+def _tables_of(src: str) -> list[str]:
+    return list(json.loads((ROOT / src).read_text())["tables"]) if (ROOT / src).is_file() else []
 
 # name -> (source JSON relative to the repository root, renderer)
 TABLES: dict[str, tuple[str, object]] = {
@@ -259,7 +265,7 @@ TABLES: dict[str, tuple[str, object]] = {
     "engine_scale_speed": ("eval/reference/engine_scale.json", _stored_table("engine_scale_speed")),
     "engine_scale_conformance": ("eval/reference/engine_scale.json", _stored_table("engine_scale_conformance")),
     **{name: (QS, _stored_table(name)) for name in QS_TABLES},
-    **{name: (SQ, _stored_table(name)) for name in SQ_TABLES},
+    **{name: (src, _stored_table(name)) for src in WHOLE_FILES for name in _tables_of(src)},
 }
 
 

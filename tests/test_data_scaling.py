@@ -50,8 +50,10 @@ def test_eval_decodes_every_size_and_ngram_then_tabulates(tmp_path, monkeypatch)
     assert (heads / "rows3000").resolve() == (tmp_path / "rows3000" / "best").resolve()
     md = (tmp_path / "scaling.md").read_text()
     assert "| 3000 | 10 | 12 | 0.500 |" in md or "| 3000 | 10 | 13 | 0.500 |" in md
-    assert "| 3000 | 0.60 [0.50, 0.70] | 0.50 [0.40, 0.60] | 1.90 [1.70, 2.10] |" in md
-    assert "| ngram | 0.45" in md
+    assert "| heldout | 3000 | 0.60 [0.50, 0.70] | 0.50 [0.40, 0.60] | 1.90 [1.70, 2.10] |" in md
+    assert "| heldout | ngram | 0.45" in md
+    stored = json.loads((tmp_path / "scaling.json").read_text())["tables"]
+    assert set(stored) == {"train", "T0"} and len(stored["T0"]["rows"]) == 3
     assert (tmp_path / "scaling.png").stat().st_size > 1000
 
 
@@ -60,3 +62,24 @@ def test_bad_sizes_are_refused():
         ds.main(["--work", "/tmp/x", "--sizes", "600,lots"])
     with pytest.raises(SystemExit, match="positive"):
         ds.main(["--work", "/tmp/x", "--sizes", "0"])
+
+
+def test_store_writes_tables_gen_tables_renders(tmp_path, monkeypatch):
+    """--store NAME: eval/reference/NAME.json holds NAME_train, NAME_T0, ... in gen_tables' stored form."""
+    from scripts import gen_tables
+
+    monkeypatch.setattr(ds, "ROOT", tmp_path)
+    (tmp_path / "eval" / "reference").mkdir(parents=True)
+    work = tmp_path / "w"
+    (work / "rows600" / "best").mkdir(parents=True)
+    (work / "rows600" / "metrics.jsonl").write_text(json.dumps({"event": "end", "wall_s": 3}) + "\n")
+    (work / "eval").mkdir()
+    recs = [_record(str(work / "heads" / "rows600"), "heldout", t, [0.4, 0.3], 1.5) for t in (0.0, 1.0)]
+    recs[1]["tau_ci"] = None  # a record without an interval prints its bare value
+    (work / "eval" / "report.json").write_text(json.dumps({"records": recs}))
+    ds.main(["--work", str(work), "--sizes", "600", "--k", "2", "--sets", "heldout", "--stage", "table",
+             "--store", "ds_test"])
+    doc = json.loads((tmp_path / "eval" / "reference" / "ds_test.json").read_text())
+    assert set(doc["tables"]) == {"ds_test_train", "ds_test_T0", "ds_test_T1"}
+    t1 = gen_tables.stored(doc["tables"]["ds_test_T1"])
+    assert "| heldout | 600 | 0.40 [0.30, 0.50] | 0.30 [0.20, 0.40] | 1.50 |" in t1

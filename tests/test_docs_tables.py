@@ -118,3 +118,13 @@ def test_readme_docs_index_and_every_relative_link_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 missing.append(f"{path.relative_to(ROOT)}: {link} (no such heading)")
     assert not missing, "links to missing files:\n" + "\n".join(missing)
+
+
+def test_smollm2_labels_name_the_data_scaling_runs():
+    sys.path.insert(0, str(ROOT))
+    from scripts.gen_tables import smollm2_label
+
+    assert smollm2_label("runs/data-scaling/rows5000/best") == "EAGLE-3 (5,000 rows)"
+    assert smollm2_label("runs/data-scaling/rows5000-e2/best") == "EAGLE-3 (5,000 rows, 2 epochs)"
+    assert smollm2_label("runs/smollm2-medusa/best") == "Medusa"
+    assert smollm2_label("runs/x/rows-big/best") == "runs/x/rows-big/best"  # not a study run: the path itself

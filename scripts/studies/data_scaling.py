@@ -7,8 +7,10 @@ and out-of-domain prompts, tabulated as alpha_1..k and tau with 95% intervals, a
     python -m scripts.studies.data_scaling --work /tmp/ds --sizes 600,1500 --stage train      # one stream of runs
     python -m scripts.studies.data_scaling --work /tmp/ds --sizes 600,1500,3000,5000 --stage eval
 
+    python -m scripts.studies.data_scaling --work /tmp/ds --sizes 600,1500,3000,5000 --stage table --store smollm2_data_scaling
+
 Stages (``--stage``): ``train`` (sizes one after another; a finished size is skipped, an interrupted one
-resumes from its last checkpoint), ``eval``, ``table`` (scaling.md + scaling.png in --work); ``all`` runs
+resumes from its last checkpoint), ``eval``, ``table`` (scaling.md, scaling.json + scaling.png in --work); ``all`` runs
 them in order. Held-out prompts are the full data's held-out split (``data.max_rows`` is not passed to
 the eval), which no size trains on: the split is by a hash of the row id, the same for every prefix.
 """
@@ -20,8 +22,10 @@ import json
 import sys
 from pathlib import Path
 
+from scripts.gen_tables import stored
 from scripts.studies.quality_study import sh
 
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/smollm2-135m/eagle3.yaml"
 SETS = ["heldout", "spec_bench/mt_bench", "humaneval"]
 
@@ -65,10 +69,6 @@ def evaluate(a) -> None:
     sh(cmd, a.work / "logs" / "eval.log", a.threads)
 
 
-def _fmt(x: float, ci) -> str:
-    return f"{x:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
-
-
 def train_info(out: Path) -> dict:
     """rows trained on, steps, wall time and the last held-out acc_0 of one run (its metrics.jsonl)."""
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -79,30 +79,52 @@ def train_info(out: Path) -> dict:
             "heldout_acc_0": held[-1]["eval/acc_0"] if held else None}
 
 
-def table(a) -> str:
-    recs = json.loads((a.work / "eval" / "report.json").read_text())["records"]
-    name = {str(a.work / "heads" / f"rows{n}"): f"{n}" for n in a.sizes}
-    lines = [f"EAGLE-3 ({a.recipe}), {a.epochs} epoch(s) over the first N rows; k = {a.k}, {a.n} prompts per set, "
-             f"{a.max_new_tokens} new tokens; [95% intervals: alpha_i Wilson, tau bootstrap over prompts]", "",
-             "| rows N | steps | train wall s | held-out acc_0 (training eval) |", "|---|---|---|---|"]
-    for n in a.sizes:
-        i = train_info(run_dir(a, n))
-        acc = f"{i['heldout_acc_0']:.3f}" if i["heldout_acc_0"] is not None else "-"
-        lines.append(f"| {n} | {i['steps']} | {i['wall_s']:.0f} | {acc} |")
+def _cell(value: float, ci) -> object:
+    """A stored-table cell: [value, lo, hi] where the report has an interval, else the bare value."""
+    return [value, *ci] if ci else {"v": value, "fmt": "num:2"}
+
+
+def tables(a, recs: list[dict], name: dict) -> dict:
+    """The study's tables in gen_tables' stored form ({columns, formats, rows}): the training runs, then
+    alpha_1..k and tau with 95% intervals per temperature, one row per (prompt set, drafter)."""
+    runs = [[str(n), i["steps"], i["wall_s"], i["heldout_acc_0"]]
+            for n, i in ((n, train_info(run_dir(a, n))) for n in a.sizes)]
+    out = {"train": {"columns": ["rows N", "steps", "train wall s", "held-out acc_0 (training eval, own split)"],
+                     "formats": ["text", "text", "num:0", "num:3"], "rows": runs}}
     for temp in sorted({r["temperature"] for r in recs}):
+        rows = []
         for s in a.sets:
-            lines += ["", f"**{s}, T = {temp:g}**", "",
-                      "| drafter | " + " | ".join(f"alpha_{i + 1}" for i in range(a.k)) + " | tau |",
-                      "|---" * (a.k + 2) + "|"]
             for r in recs:
                 if r["temperature"] != temp or r["prompt_set"] != s or r.get("k") != a.k:
                     continue
-                d = name.get(r["drafter"], Path(r["drafter"]).name)
                 cis = r.get("alpha_ci") or [None] * len(r["alpha"])
-                cells = [_fmt(x, c) for x, c in zip(r["alpha"], cis)] + ["-"] * (a.k - len(r["alpha"]))
-                lines.append(f"| {d} | " + " | ".join(cells) + f" | {_fmt(r['tau'], r.get('tau_ci'))} |")
-    text = "\n".join(lines) + "\n"
+                alphas = [_cell(x, c) for x, c in zip(r["alpha"], cis)] + [None] * (a.k - len(r["alpha"]))
+                rows.append([s, name.get(r["drafter"], Path(r["drafter"]).name), *alphas,
+                             _cell(r["tau"], r.get("tau_ci"))])
+        out[f"T{temp:g}"] = {"columns": ["set", "drafter (rows N)", *[f"alpha_{i + 1}" for i in range(a.k)], "tau"],
+                             "formats": ["text", "text", *["ci:2"] * (a.k + 1)], "rows": rows}
+    return out
+
+
+def table(a) -> str:
+    """scaling.md, scaling.json (the stored tables; --store copies them under eval/reference/) and scaling.png."""
+    recs = json.loads((a.work / "eval" / "report.json").read_text())["records"]
+    name = {str(a.work / "heads" / f"rows{n}"): f"{n}" for n in a.sizes}
+    found = tables(a, recs, name)
+    text = (f"EAGLE-3 ({a.recipe}), {a.epochs} epoch(s) over the first N rows; k = {a.k}, {a.n} prompts per set, "
+            f"{a.max_new_tokens} new tokens; [95% intervals: alpha_i Wilson, tau bootstrap over prompts]\n")
+    for key, t in found.items():
+        text += f"\n**{'training runs' if key == 'train' else key.replace('T', 'T = ')}**\n\n" + stored(t)
     (a.work / "scaling.md").write_text(text)
+    doc = {"provenance": f"python -m scripts.studies.data_scaling --work {a.work.name} --sizes "
+                         f"{','.join(map(str, a.sizes))} --epochs {a.epochs} --n {a.n} --k {a.k} "
+                         f"--max-new-tokens {a.max_new_tokens} --sets {','.join(a.sets)} ({a.recipe})",
+           "tables": found}
+    (a.work / "scaling.json").write_text(json.dumps(doc, indent=1))
+    if a.store:
+        dest = ROOT / "eval" / "reference" / f"{a.store}.json"
+        dest.write_text(json.dumps({**doc, "tables": {f"{a.store}_{k}": t for k, t in found.items()}}, indent=1) + "\n")
+        print(f"stored {dest.relative_to(ROOT)}: tables " + ", ".join(f"{a.store}_{k}" for k in found))
     plot(a, recs, name)
     return text
 
@@ -154,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="draft length (alpha_1..k)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch threads per subprocess")
+    ap.add_argument("--store", default="", help="also write the tables to eval/reference/STORE.json as STORE_train, "
+                    "STORE_T0, ... (rendered into the docs by scripts/gen_tables.py)")
     a = ap.parse_args(argv)
     try:
         a.sizes = [int(x) for x in a.sizes.split(",") if x]
