@@ -76,10 +76,11 @@ def test_store_writes_tables_gen_tables_renders(tmp_path, monkeypatch):
     (work / "eval").mkdir()
     recs = [_record(str(work / "heads" / "rows600"), "heldout", t, [0.4, 0.3], 1.5) for t in (0.0, 1.0)]
     recs[1]["tau_ci"] = None  # a record without an interval prints its bare value
+    recs[1]["alpha"][1], recs[1]["alpha_ci"][1] = None, [None, None]  # position 2 never reached: "-"
     (work / "eval" / "report.json").write_text(json.dumps({"records": recs}))
     ds.main(["--work", str(work), "--sizes", "600", "--k", "2", "--sets", "heldout", "--stage", "table",
              "--store", "ds_test"])
     doc = json.loads((tmp_path / "eval" / "reference" / "ds_test.json").read_text())
     assert set(doc["tables"]) == {"ds_test_train", "ds_test_T0", "ds_test_T1"}
     t1 = gen_tables.stored(doc["tables"]["ds_test_T1"])
-    assert "| heldout | 600 | 0.40 [0.30, 0.50] | 0.30 [0.20, 0.40] | 1.50 |" in t1
+    assert "| heldout | 600 | 0.40 [0.30, 0.50] | - | 1.50 |" in t1

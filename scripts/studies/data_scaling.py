@@ -80,8 +80,11 @@ def train_info(out: Path) -> dict:
 
 
 def _cell(value: float, ci) -> object:
-    """A stored-table cell: [value, lo, hi] where the report has an interval, else the bare value."""
-    return [value, *ci] if ci else {"v": value, "fmt": "num:2"}
+    """A stored-table cell: [value, lo, hi] where the report has an interval, else the bare value (None where a
+    position was never reached: no alpha, no interval)."""
+    if value is None:
+        return None
+    return [value, *ci] if ci and None not in ci else {"v": value, "fmt": "num:2"}
 
 
 def tables(a, recs: list[dict], name: dict) -> dict:
