@@ -190,7 +190,8 @@ def smollm2_headline(data: dict) -> str:
 
 
 def smollm2_scale(data: dict) -> str:
-    """The EAGLE-3 head retrained on the 5,000 engine-written rows beside n-gram and HF prompt lookup."""
+    """The EAGLE-3 head retrained on the 5,000 engine-written rows (one epoch; _e2: a second one) beside n-gram and
+    HF prompt lookup."""
     return smollm2_rows(data, lambda d, c: True, all_alpha=True)
 
 
@@ -248,6 +249,7 @@ TABLES: dict[str, tuple[str, object]] = {
     "smollm2_headline": ("eval/reference/smollm2_report.json", smollm2_headline),
     "smollm2_cost_curve": ("eval/reference/smollm2_report.json", smollm2_curve),
     "smollm2_scale": ("eval/reference/smollm2_scale_report.json", smollm2_scale),
+    "smollm2_scale_e2": ("eval/reference/smollm2_scale_e2_report.json", smollm2_scale),
     "smollm2_sweep": ("eval/reference/smollm2_sweep.json", smollm2_sweep),
     "smollm2_sweep_tree": ("eval/reference/smollm2_sweep_tree.json", smollm2_sweep),
     "batch_sweep_cpu": ("eval/reference/batch_sweep_cpu.json", _stored_table("batch_sweep_cpu")),
