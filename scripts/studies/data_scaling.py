@@ -79,7 +79,7 @@ def train_info(out: Path) -> dict:
             "heldout_acc_0": held[-1]["eval/acc_0"] if held else None}
 
 
-def _cell(value: float, ci) -> object:
+def _cell(value: float | None, ci) -> object:
     """A stored-table cell: [value, lo, hi] where the report has an interval, else the bare value (None where a
     position was never reached: no alpha, no interval)."""
     if value is None:
@@ -90,8 +90,10 @@ def _cell(value: float, ci) -> object:
 def tables(a, recs: list[dict], name: dict) -> dict:
     """The study's tables in gen_tables' stored form ({columns, formats, rows}): the training runs, then
     alpha_1..k and tau with 95% intervals per temperature, one row per (prompt set, drafter)."""
-    runs = [[str(n), i["steps"], i["wall_s"], i["heldout_acc_0"]]
-            for n, i in ((n, train_info(run_dir(a, n))) for n in a.sizes)]
+    runs = []
+    for n in a.sizes:
+        i = train_info(run_dir(a, n))
+        runs.append([str(n), i["steps"], i["wall_s"], i["heldout_acc_0"]])
     out = {"train": {"columns": ["rows N", "steps", "train wall s", "held-out acc_0 (training eval, own split)"],
                      "formats": ["text", "text", "num:0", "num:3"], "rows": runs}}
     for temp in sorted({r["temperature"] for r in recs}):
