@@ -156,9 +156,18 @@ def smollm2_label(drafter: str) -> str:
     return {"eagle3": "EAGLE-3", "medusa": "Medusa", "draft": "draft model"}.get(fam, drafter)
 
 
-def smollm2_rows(data: dict, keep, all_alpha: bool = False) -> str:
+def greedy_cell(r: dict) -> str:
+    """The T = 0 losslessness verdict of one cell: 'I/n =' or 'I/n =, N near-tie' (a FAIL is named too)."""
+    g = r.get("greedy_check")
+    if not g:
+        return ""
+    out = f"; greedy {g['identical']}/{g['n']} ="
+    return out + (f", {g['near_tie']} near-tie" if g["near_tie"] else "") + (f", {g['fail']} FAIL" if g["fail"] else "")
+
+
+def smollm2_rows(data: dict, keep, all_alpha: bool = False, greedy: bool = False) -> str:
     """One row per (drafter, config) the filter keeps: alpha_1 (alpha_1..k with all_alpha), tau [95% CI] and
-    measured speedup per set."""
+    measured speedup per set (with greedy: the T = 0 cells' losslessness verdict, for a 16-bit target)."""
     sets = [(ps, title) for ps, title in SMOLLM2_SETS if any(r["prompt_set"] == ps for r in data["records"])]
     recs = {(r["drafter"], r["config"], r["prompt_set"]): r for r in data["records"]}
     rows = []
@@ -172,7 +181,8 @@ def smollm2_rows(data: dict, keep, all_alpha: bool = False) -> str:
             lo, hi = r["tau_ci"]
             alphas = [a for a in (r["alpha"] if all_alpha else r["alpha"][:1])]
             a1 = " ".join("-" if a is None else f"{a:.2f}" for a in alphas) or "-"
-            row.append(f"{a1}, {r['tau']:.2f} [{lo:.2f}, {hi:.2f}], {r['measured_speedup']:.2f}x")
+            row.append(f"{a1}, {r['tau']:.2f} [{lo:.2f}, {hi:.2f}], {r['measured_speedup']:.2f}x"
+                       + (greedy_cell(r) if greedy else ""))
         rows.append(row)
     first = f"{sets[0][1]}: alpha_{'1..k' if all_alpha else '1'}, tau [95% CI], speedup"
     return markdown(["drafter, setting", "T", first] + [title for _, title in sets[1:]], rows)
@@ -193,6 +203,11 @@ def smollm2_scale(data: dict) -> str:
     """The EAGLE-3 head retrained on the 5,000 engine-written rows (one epoch; _e2: a second one) beside n-gram and
     HF prompt lookup."""
     return smollm2_rows(data, lambda d, c: True, all_alpha=True)
+
+
+def smollm2_dtype(data: dict) -> str:
+    """One dtype's run of the SmolLM2 head on a native-bf16 CPU: alpha_1..k, tau, speedup and the greedy verdict."""
+    return smollm2_rows(data, lambda d, c: True, all_alpha=True, greedy=True)
 
 
 def smollm2_curve(data: dict) -> str:
