@@ -128,3 +128,13 @@ def test_smollm2_labels_name_the_data_scaling_runs():
     assert smollm2_label("runs/data-scaling/rows5000-e2/best") == "EAGLE-3 (5,000 rows, 2 epochs)"
     assert smollm2_label("runs/smollm2-medusa/best") == "Medusa"
     assert smollm2_label("runs/x/rows-big/best") == "runs/x/rows-big/best"  # not a study run: the path itself
+
+
+def test_greedy_cell_counts_near_ties_and_failures():
+    sys.path.insert(0, str(ROOT))
+    from scripts.gen_tables import greedy_cell
+
+    assert greedy_cell({"greedy_check": {"identical": 6, "near_tie": 0, "fail": 0, "n": 6}}) == "; greedy 6/6 ="
+    assert greedy_cell({"greedy_check": {"identical": 4, "near_tie": 1, "fail": 1, "n": 6}}) == \
+        "; greedy 4/6 =, 1 near-tie, 1 FAIL"
+    assert greedy_cell({}) == ""  # a T = 1 cell has no greedy check

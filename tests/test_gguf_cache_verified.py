@@ -177,3 +177,23 @@ def test_a_record_another_user_could_write_is_ignored(target_dir, calls, monkeyp
         warnings.simplefilter("error")
         fingerprint(target_dir, calls)
     assert len(calls) == 2
+
+
+def test_every_cache_shares_one_root_spectrain_cache_dir_then_xdg_then_home(tmp_path, monkeypatch):
+    """A sandbox redirecting XDG_CACHE_HOME catches every cache; SPECTRAIN_CACHE_DIR overrides it (issue 31 CI)."""
+    from spectrain.io.cache import cache_root
+    from spectrain.targets.auto_dtype import _cache_file
+
+    monkeypatch.delenv("SPECTRAIN_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "spectrain"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "spectrain"
+    assert _cache_file().parent == cache_root()
+    d = tmp_path / "target"
+    d.mkdir()
+    target = type("T", (), {"name_or_path": str(d)})()
+    assert F._cache_key(target)[0].parent == cache_root() / "fingerprints"
+    monkeypatch.setenv("SPECTRAIN_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"

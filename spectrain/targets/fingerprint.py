@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from spectrain.io.cache import cache_root
 from spectrain.io.integrity import WEIGHT_SUFFIXES
 from spectrain.io.outputs import write_text_safe
 from spectrain.targets.gguf import untrusted_file
@@ -66,7 +67,7 @@ def _cache_key(target) -> tuple[Path, dict] | None:
             st = f.stat()  # follows a link (an HF cache snapshot links into blobs/), which is recorded too
             files[f.name] = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns] + \
                 ([os.readlink(f)] if f.is_symlink() else [])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spectrain" / "fingerprints"
+    base = cache_root() / "fingerprints"
     name = str(root.resolve()) + _gguf_blob(target).decode()
     return base / (hashlib.sha256(name.encode()).hexdigest()[:24] + ".json"), files
 
