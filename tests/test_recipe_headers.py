@@ -67,15 +67,15 @@ def test_header_commands_are_valid(name, path, monkeypatch, capsys):
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(2**50, 0, 2**50))  # the plan's disk: a big NVMe
     ref_tok = AutoTokenizer.from_pretrained(str(Path(__file__).resolve().parents[1] / "assets" / "reference-target"))
+    # The feature cache is data the header's own prepare-features line writes: stood in even where the target
+    # is reachable (a machine that fetched the GGUF need not have built every recipe's cache).
+    monkeypatch.setattr(check, "_missing_cache", lambda r: "")
     for argv in header_commands(path):
         args = cli.parse(argv)  # valid command, flags and overrides (exits on a usage error)
         if args.command not in RECIPE_COMMANDS:
             continue
         recipe = check.load_recipe(args.recipe, args.overrides)
         shape = SHAPES.get(recipe.target.name_or_path)
-        # The feature cache is data the header's own prepare-features line writes: stood in even where the
-        # target is reachable (a machine that fetched the GGUF need not have built every recipe's cache).
-        monkeypatch.setattr(check, "_missing_cache", lambda r: "")
         src = recipe.target.name_or_path
         if src.endswith(".gguf") and not Path(src).is_file():
             shape = SMOLLM2
