@@ -39,12 +39,16 @@ def make_tiny_target(arch: str = "llama", tied: bool = False, **kw):
     return FrozenTarget(make_tiny_model(arch, tied, **kw), tokenizer=None, name_or_path=f"tiny-{arch}")
 
 
-@pytest.fixture(autouse=True)
-def _auto_dtype_is_fp32(monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def _auto_dtype_is_fp32():
     """`dtype: auto` on a native-bf16 CPU times both dtypes and may pick either (the reference target's passes
     cost about the same), so a test's exact-equality claim would hang on timing noise. Tests see a CPU without
-    native bf16 (auto -> fp32, nothing timed); tests of the decision itself pass `cpuinfo=` explicitly."""
-    monkeypatch.setattr("spectrain.targets.auto_dtype.read_cpuinfo", lambda: "")
+    native bf16 (auto -> fp32, nothing timed); tests of the decision itself pass `cpuinfo=` explicitly. Session
+    scope: module-scoped targets load before any function-scoped patch, and one loaded in bf16 beside an fp32
+    one parts at near-ties (test_regen_server did on an AVX-512 BF16 CPU)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("spectrain.targets.auto_dtype.read_cpuinfo", lambda: "")
+        yield
 
 
 @pytest.fixture(params=ARCHS)

@@ -339,3 +339,41 @@ def test_server_requests_carry_the_rows_temperature_and_a_seed_only_when_samplin
         assert body["temperature"] == out["temperature"] == cfg.row_temperature(out["id"])
         assert ("seed" in body) == (body["temperature"] > 0)
     assert {o["temperature"] for o in outs} == {0.0, 1.0}
+
+
+def test_samples_answer_each_conversation_n_times_on_one_side_of_the_split(setup, greedy):
+    """--samples 3 under a (0, 3) mix: each conversation three times in a row, the first exactly as the mix run
+    alone, the extra ones (ID#s1, ID#s2) always sampled and different; every answer to a prompt on the side of the
+    split its prompt is on, and the held-out set reads one answer per prompt."""
+    from spectrain.data.chat import is_heldout, prompt_id
+    from spectrain.data.dataset import _split_rows
+
+    mixed, _ = _run(setup, "samples-base", temperature=[0.0, 3.0], seed=1)
+    out, _ = _run(setup, "samples", temperature=[0.0, 3.0], seed=1, samples=3)
+    rows, base = _rows(out), {r["id"]: r for r in _rows(mixed)}
+    assert [r["id"] for r in rows] == [f"{i}{s}" for i in base for s in ("", "#s1", "#s2")]
+    for r in rows:
+        if r["id"] in base:
+            assert r == base[r["id"]]
+        else:
+            assert r["temperature"] == 3.0 and r["messages"] != base[prompt_id(r["id"])]["messages"]
+    for fraction in (0.2, 0.5, 0.8):
+        assert all(is_heldout(r["id"], fraction) == is_heldout(prompt_id(r["id"]), fraction) for r in rows)
+    cfg = type("D", (), {"heldout_fraction": 0.5, "heldout_rows": 0})()
+    held = _split_rows(rows, cfg, "heldout")
+    assert held == [r for r in rows if r["id"] in base and is_heldout(r["id"], 0.5)]
+
+
+def test_samples_refuse_greedy_only_and_resume_reads_older_part_files(setup, tmp_path):
+    with pytest.raises(ValueError, match="--samples 2 with --temperature 0.0: every answer after the first would "
+                                         "repeat the greedy one"):
+        RegenConfig(samples=2).validate()
+    with pytest.raises(ValueError, match="--samples 0: must be >= 1"):
+        RegenConfig(samples=0).validate()
+    part = tmp_path / "x.jsonl.tmp"
+    part.write_text("")
+    meta = {"input_sha256": "a", **{k: v for k, v in rg.asdict(RegenConfig()).items() if k != "samples"}}
+    part.with_name(part.name + ".meta.json").write_text(json.dumps(meta))
+    rg._check_meta(part, {**meta, "samples": 1})  # a part file from before --samples resumes
+    with pytest.raises(ValueError, match="samples: 1 -> 2"):
+        rg._check_meta(part, {**meta, "samples": 2})

@@ -23,6 +23,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ ID_KEYS = ("id", "conversation_id", "prompt_id", "question_id")
 ROLES = {"system", "user", "assistant"}
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "chatgpt": "assistant"}
-__all__ = ["SkipReport", "load_conversations", "is_heldout", "tokenize_conversation", "tokenize_conversations"]
+__all__ = ["SkipReport", "load_conversations", "is_heldout", "prompt_id", "sample_index", "tokenize_conversation", "tokenize_conversations"]
 
 
 @dataclass
@@ -199,9 +200,25 @@ def load_conversations(files: str | list[str], format: str = "auto", max_rows: i
     return rows, report
 
 
+SAMPLE_SUFFIX = re.compile(r"#s(\d+)$")  # `regenerate --samples N`: answers 2..N of a prompt are ID#s1..ID#s{N-1}
+
+
+def prompt_id(row_id: str) -> str:
+    """The id of the prompt a row answers: the row's own id, less a `#sJ` sample suffix."""
+    return SAMPLE_SUFFIX.sub("", row_id)
+
+
+def sample_index(row_id: str) -> int:
+    """0 for a prompt's first answer, J for its answer `ID#sJ`."""
+    m = SAMPLE_SUFFIX.search(row_id)
+    return int(m.group(1)) if m else 0
+
+
 def is_heldout(row_id: str, fraction: float) -> bool:
-    """Deterministic split by id hash. Do not change: the reference-target builder uses the same rule."""
-    return int(hashlib.sha1(row_id.encode()).hexdigest()[:8], 16) / 2**32 < fraction
+    """Deterministic split by id hash. Do not change: the reference-target builder uses the same rule.
+    Every answer to one prompt falls on the same side (the hash is of `prompt_id`): a held-out prompt's
+    second sample must not leak into training."""
+    return int(hashlib.sha1(prompt_id(row_id).encode()).hexdigest()[:8], 16) / 2**32 < fraction
 
 
 # ---- tokenisation ----------------------------------------------------------------------------------------

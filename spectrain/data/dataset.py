@@ -16,6 +16,7 @@ from spectrain.data.chat import (
     SkipReport,
     is_heldout,
     load_conversations,
+    sample_index,
     tokenize_parallel,
     tokenize_workers,
 )
@@ -94,6 +95,8 @@ def _split_rows(rows: list[dict], data_cfg, split: str) -> list[dict]:
         raise ValueError(f"split {split!r}: use 'train' or 'heldout'")
     want = split == "heldout"
     picked = [r for r in rows if is_heldout(r["id"], data_cfg.heldout_fraction) == want]
+    if want:  # one answer per prompt: more samples per prompt (regenerate --samples) leave the held-out set as it was
+        picked = [r for r in picked if not sample_index(r["id"])]
     if want and data_cfg.heldout_rows:
         picked = picked[: data_cfg.heldout_rows]
     return picked

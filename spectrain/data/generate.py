@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spectrain.data.chat import sample_index
 from spectrain.data.regen_server import (
     REASONING_MODES,
     _row_seed,
@@ -33,12 +34,15 @@ class RegenConfig:
     reasoning: str = "keep"  # keep | strip <think>...</think> (spectrain/data/regen_server.py)
     shuffle: bool = False  # answer the rows in a seeded order (a hash of seed and id): any prefix is a uniform sample
     skip: int = 0  # leave out the first `skip` rows (after the shuffle): a later run continues an earlier --n
+    samples: int = 1  # answers per conversation; the 2nd.. are rows ID#s1.. and always sampled
 
     def row_temperature(self, row_id: str) -> float:
-        """The row's temperature: the one given, or for a mix the entry the (seed, id) hash picks."""
-        if not isinstance(self.temperature, list):
-            return self.temperature
-        return self.temperature[_row_seed(self.seed, f"temperature:{row_id}", 0) % len(self.temperature)]
+        """The row's temperature: the one given, or for a mix the entry the (seed, id) hash picks; a prompt's
+        extra samples (ID#sJ) draw from the mix's temperatures above 0 (another greedy answer repeats the first)."""
+        temps = _as_list(self.temperature)
+        if sample_index(row_id) and max(temps) > 0:
+            temps = [t for t in temps if t > 0]
+        return temps[_row_seed(self.seed, f"temperature:{row_id}", 0) % len(temps)] if len(temps) > 1 else temps[0]
 
     def validate(self) -> RegenConfig:
         if self.reasoning not in REASONING_MODES:
@@ -48,6 +52,10 @@ class RegenConfig:
                          (min(_as_list(self.temperature)) < 0,
                           f"--temperature {self.temperature}: must be >= 0 (0 = greedy)"),
                          (self.skip < 0, f"--skip {self.skip}: must be >= 0"),
+                         (self.samples < 1, f"--samples {self.samples}: must be >= 1"),
+                         (self.samples > 1 and max(_as_list(self.temperature)) <= 0,
+                          f"--samples {self.samples} with --temperature {self.temperature}: every answer after the "
+                          "first would repeat the greedy one; give a temperature > 0 (e.g. --temperature 0,1)"),
                          (self.batch_size <= 0, f"--batch-size {self.batch_size}: must be > 0")):
             if bad:
                 raise ValueError(msg)

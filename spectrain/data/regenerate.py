@@ -74,7 +74,9 @@ def _check_meta(part: Path, meta: dict) -> None:
     meta_path = part.with_name(part.name + ".meta.json")
     if part.exists() and meta_path.exists():
         old = json.loads(meta_path.read_text())
-        diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
+        known = asdict(RegenConfig())  # a setting newer than the part file counts at its default (a resume
+        diff = sorted(k for k in set(old) | set(meta)  # across an upgrade is not a change of settings)
+                      if old.get(k, known.get(k)) != meta.get(k, known.get(k)))
         if "input_sha256" in diff:
             raise ValueError(f"{part} was started from other input rows (the data in {', '.join(meta['train_files'])} "
                              "changed since: its sha256 differs); its rows answer the old data: restore that data "
@@ -178,6 +180,8 @@ def _load_rows(recipe, cfg: RegenConfig):
         rows = rows[cfg.skip:cfg.skip + cfg.n if cfg.n else None]
         if not rows:
             raise ValueError(f"--skip {cfg.skip}: the data has only {report.kept} usable rows; nothing is left")
+    if cfg.samples > 1:  # after the cut: --n / --skip count conversations, each answered `samples` times
+        rows = [{**r, "id": f"{r['id']}#s{j}" if j else r["id"]} for r in rows for j in range(cfg.samples)]
     return rows, report
 
 
@@ -291,6 +295,9 @@ def add_regenerate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="answer rows in a seeded order (hash of seed, id): every prefix is a uniform sample")
     p.add_argument("--skip", type=int, default=0, metavar="K",
                    help="leave out the first K rows (after --shuffle): continue an earlier --n K run in a new file")
+    p.add_argument("--samples", type=int, default=1, metavar="N",
+                   help="answers per conversation (default 1): the 2nd..Nth are rows ID#s1.. sampled at the "
+                        "mix's temperatures above 0; every answer to a prompt falls on one side of the held-out split")
     p.add_argument("--batch-size", type=int, default=8, help="conversations decoded together (default 8)")
     p.add_argument("--chat-template-kwargs", default="{}", metavar="JSON",
                    help='extra chat-template arguments, e.g. \'{"enable_thinking": false}\' (merged over the '
@@ -370,7 +377,7 @@ def _regenerate_with_engine(args: argparse.Namespace, cfg: RegenConfig) -> Regen
 def main(args: argparse.Namespace) -> int:
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                       batch_size=args.batch_size, n=args.n, reasoning=args.reasoning, shuffle=args.shuffle,
-                      skip=args.skip,
+                      skip=args.skip, samples=args.samples,
                       chat_template_kwargs=_template_kwargs(args.chat_template_kwargs))
     server = None
     if args.server and args.engine:
