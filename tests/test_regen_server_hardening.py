@@ -140,7 +140,7 @@ def test_a_timeout_that_is_no_deadline_is_refused(recipe, tmp_path, capsys, time
 
 def test_retry_after_is_honoured_and_bounded(monkeypatch):
     waits: list[float] = []
-    monkeypatch.setattr(rs, "_sleep", waits.append)
+    monkeypatch.setattr(rs, "_sleep", lambda stopped, seconds: waits.append(seconds))
     plan = [Reply(429, {}, {"Retry-After": "3"}), Reply(503, {}, {"Retry-After": "86400"}),
             Reply(503, {}, {"Retry-After": "Thu, 01 Jan 1970 00:00:00 GMT"}), Reply()]
     with ScriptedServer(lambda b, n: plan[n]) as srv:
@@ -148,6 +148,20 @@ def test_retry_after_is_honoured_and_bounded(monkeypatch):
         assert client.complete({"model": "m", "messages": [], "max_tokens": 8})["choices"]
     assert waits == [3.0, rs.RETRY_AFTER_MAX_S, 0.04]  # a date in the past: the plain backoff (0.01 * 2**2)
     assert rs.retry_after("nan") == 0.0 and rs.retry_after("-5") == 0.0 and rs.retry_after("soon") == 0.0
+
+
+def test_a_stopped_client_gives_up_its_retries_at_once(monkeypatch):
+    """Ctrl-C stops the engine first; requests still backing off (1 + 2 + 4 + ... s) must not hold the process."""
+    import threading
+
+    monkeypatch.setattr(rs, "BACKOFF_S", 1.0)
+    with ScriptedServer(lambda b, n: Reply(503)) as srv:
+        client = rs.ChatClient(rs.ServerConfig(urls=[srv.url], model="m", retries=5, timeout_s=5))
+        threading.Timer(0.3, client.stop).start()
+        t0 = time.monotonic()
+        with pytest.raises(rs.ServerUnavailable, match=r"HTTP 503 \(the client stopped\)"):
+            client.complete({"model": "m", "messages": [], "max_tokens": 8})
+        assert time.monotonic() - t0 < 2.0  # unstopped: 1 + 2 + 4 + 8 + 16 s of backoff
 
 
 def test_resume_refuses_rows_made_from_other_input(recipe, tmp_path, capsys):

@@ -58,7 +58,7 @@ BACKOFF_S = 1.0  # first retry after 1 s, then 2, 4 ... capped at 30 s
 RETRY_AFTER_MAX_S = 60.0  # a 429 / 503's Retry-After is honoured up to this (a hostile value cannot park the run)
 MAX_BYTES_PER_TOKEN = 256  # no vocabulary's token decodes to more: an answer beyond max_tokens * this is not one
 _BODY_SLACK = 64 * 1024  # JSON framing, ids, usage and error text around the answer
-_sleep = time.sleep  # tests record the waits instead
+_sleep = threading.Event.wait  # (client's stop event, seconds): a stopped client waits no more; tests record
 _FSYNC_EVERY_S = 2.0
 
 
@@ -153,9 +153,15 @@ class ChatClient:
         self._turn = itertools.count()
         self._lock = threading.Lock()
         self._fatal: ServerConfigError | None = None
+        self._stopped = threading.Event()  # set by stop(): requests still retrying give up at once
         self.models: Counter = Counter()  # the model names the server answered as (printed at the end)
         key = os.environ.get("OPENAI_API_KEY", "")  # servers started with --api-key want it
         self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+
+    def stop(self) -> None:
+        """No more attempts: after Ctrl-C or a finished run, threads still retrying a stopped server (up to
+        --retries backoffs, tens of seconds) would hold the process open in silence."""
+        self._stopped.set()
 
     def _url(self) -> str:
         with self._lock:
@@ -221,7 +227,9 @@ class ChatClient:
             if self._fatal is not None:  # another row met a setup error: every request would meet it
                 raise self._fatal
             if wait:
-                _sleep(wait)
+                _sleep(self._stopped, wait)
+            if self._stopped.is_set():
+                raise ServerUnavailable(f"{last or 'no request sent'} (the client stopped)")
             url = self._url()
             wait = min(30.0, BACKOFF_S * 2 ** attempt)
             try:
@@ -422,5 +430,6 @@ def write_part_server(client: ChatClient, rows: list[dict], tmp: Path, regen, st
                 bar.note(f"{stats.tokens} tokens generated")
             os.fsync(f.fileno())
     finally:
+        client.stop()
         pool.shutdown(wait=False, cancel_futures=True)
         stats.gen_time_s += time.perf_counter() - t0
