@@ -38,7 +38,8 @@ ID_KEYS = ("id", "conversation_id", "prompt_id", "question_id")
 ROLES = {"system", "user", "assistant"}
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "chatgpt": "assistant"}
-__all__ = ["SkipReport", "load_conversations", "is_heldout", "prompt_id", "sample_index", "tokenize_conversation", "tokenize_conversations"]
+__all__ = ["SkipReport", "load_conversations", "is_heldout", "prompt_id", "sample_index", "tokenize_conversation",
+           "tokenize_conversations"]
 
 
 @dataclass

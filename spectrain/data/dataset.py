@@ -96,9 +96,7 @@ def _split_rows(rows: list[dict], data_cfg, split: str) -> list[dict]:
     want = split == "heldout"
     picked = [r for r in rows if is_heldout(r["id"], data_cfg.heldout_fraction) == want]
     if want:  # one answer per prompt: more samples per prompt (regenerate --samples) leave the held-out set as it was
-        picked = [r for r in picked if not sample_index(r["id"])]
-    if want and data_cfg.heldout_rows:
-        picked = picked[: data_cfg.heldout_rows]
+        picked = [r for r in picked if not sample_index(r["id"])][: data_cfg.heldout_rows or None]
     return picked
 
 

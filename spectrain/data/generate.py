@@ -42,7 +42,7 @@ class RegenConfig:
         temps = _as_list(self.temperature)
         if sample_index(row_id) and max(temps) > 0:
             temps = [t for t in temps if t > 0]
-        return temps[_row_seed(self.seed, f"temperature:{row_id}", 0) % len(temps)] if len(temps) > 1 else temps[0]
+        return temps[_row_seed(self.seed, f"temperature:{row_id}", 0) % len(temps)]
 
     def validate(self) -> RegenConfig:
         if self.reasoning not in REASONING_MODES:

@@ -58,7 +58,7 @@ BACKOFF_S = 1.0  # first retry after 1 s, then 2, 4 ... capped at 30 s
 RETRY_AFTER_MAX_S = 60.0  # a 429 / 503's Retry-After is honoured up to this (a hostile value cannot park the run)
 MAX_BYTES_PER_TOKEN = 256  # no vocabulary's token decodes to more: an answer beyond max_tokens * this is not one
 _BODY_SLACK = 64 * 1024  # JSON framing, ids, usage and error text around the answer
-_sleep = threading.Event.wait  # (client's stop event, seconds): a stopped client waits no more; tests record
+_sleep = threading.Event.wait  # (stop event, seconds): a stopped client waits no more; tests record the waits
 _FSYNC_EVERY_S = 2.0
 
 

@@ -74,9 +74,9 @@ def _check_meta(part: Path, meta: dict) -> None:
     meta_path = part.with_name(part.name + ".meta.json")
     if part.exists() and meta_path.exists():
         old = json.loads(meta_path.read_text())
-        known = asdict(RegenConfig())  # a setting newer than the part file counts at its default (a resume
-        diff = sorted(k for k in set(old) | set(meta)  # across an upgrade is not a change of settings)
-                      if old.get(k, known.get(k)) != meta.get(k, known.get(k)))
+        # A setting newer than the part file counts at its default: resuming across an upgrade changes nothing.
+        known = asdict(RegenConfig())
+        diff = sorted(k for k in set(old) | set(meta) if old.get(k, known.get(k)) != meta.get(k, known.get(k)))
         if "input_sha256" in diff:
             raise ValueError(f"{part} was started from other input rows (the data in {', '.join(meta['train_files'])} "
                              "changed since: its sha256 differs); its rows answer the old data: restore that data "
