@@ -273,6 +273,8 @@ TABLES: dict[str, tuple[str, object]] = {
     "smollm2_head_bf16_cost_curve": ("eval/reference/smollm2_head_bf16_report.json", smollm2_curve),
     "smollm2_tree_bf16": ("eval/reference/smollm2_tree_bf16_report.json", smollm2_dtype),
     "smollm2_e2_bf16": ("eval/reference/smollm2_e2_bf16_report.json", smollm2_dtype),
+    "smollm2_families_bf16": ("eval/reference/smollm2_families_bf16_report.json", smollm2_dtype),
+    "smollm2_families_bf16_cost_curve": ("eval/reference/smollm2_families_bf16_report.json", smollm2_curve),
     "smollm2_sweep": ("eval/reference/smollm2_sweep.json", smollm2_sweep),
     "smollm2_sweep_tree": ("eval/reference/smollm2_sweep_tree.json", smollm2_sweep),
     "batch_sweep_cpu": ("eval/reference/batch_sweep_cpu.json", _stored_table("batch_sweep_cpu")),
