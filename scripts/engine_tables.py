@@ -2,6 +2,7 @@
 
     python scripts/engine_tables.py runs/engine-study    # -> eval/reference/engine_smollm2.json
     python scripts/engine_tables.py runs/engine-study-s14 engine_scale   # -> eval/reference/engine_scale.json
+    python scripts/engine_tables.py runs/engine-draft engine_draft       # -> eval/reference/engine_draft.json
     python scripts/gen_tables.py                         # renders the tables into docs/engine.md
 
 Reads OUT/engine/report.json (spectrain eval --engine llama.cpp, with --conform-to OUT/own/report.json) and keeps
@@ -21,8 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "eval" / "reference" / "engine_smollm2.json"
 
 
+LABELS = {"draft-eagle3": "EAGLE-3 head", "draft-simple": "draft model"}  # --spec-type -> the table's name
+
+
 def label(rec: dict) -> str:
-    return "n-gram (engine)" if rec["engine_spec_type"].startswith("ngram") else "EAGLE-3 head"
+    kind = rec["engine_spec_type"]
+    return "n-gram (engine)" if kind.startswith("ngram") else LABELS[kind]
 
 
 def speed_table(records: list[dict]) -> dict:
@@ -63,8 +68,8 @@ def main(study: str, name: str = "engine") -> int:
         own = conformance.load_records(Path(study) / "own" / "report.json")
         meta["conformance"] = {"rows": conformance.alpha_rows(own, records), "greedy_agreement": None}
     agree = meta["conformance"]["greedy_agreement"]
-    data = {"provenance": {"what": "SmolLM2-135M-Instruct Q4_1 in llama.cpp with a spectrain EAGLE-3 head and the "
-                                   "engine's n-gram mode, beside spectrain's own evaluator (scripts/engine_study.sh)",
+    data = {"provenance": {"what": "SmolLM2-135M-Instruct Q4_1 in llama.cpp with a spectrain drafter (EAGLE-3 head or "
+                                   "draft model) and the engine's n-gram mode, beside spectrain's own evaluator (scripts/engine_study.sh)",
                            "command": meta["command"], "engine": meta["engine"], "date_utc": meta["date_utc"],
                            "grid_seconds": meta["grid_seconds"], "threads": meta["threads"],
                            "cost_curve_depth": meta["cost_curve"]["depth"], "greedy_agreement": agree},

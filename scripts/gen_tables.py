@@ -291,6 +291,9 @@ TABLES: dict[str, tuple[str, object]] = {
     "engine_cost_curve": ("eval/reference/engine_smollm2.json", _stored_table("engine_cost_curve")),
     "engine_scale_speed": ("eval/reference/engine_scale.json", _stored_table("engine_scale_speed")),
     "engine_scale_conformance": ("eval/reference/engine_scale.json", _stored_table("engine_scale_conformance")),
+    "engine_draft_speed": ("eval/reference/engine_draft.json", _stored_table("engine_draft_speed")),
+    "engine_draft_conformance": ("eval/reference/engine_draft.json", _stored_table("engine_draft_conformance")),
+    "engine_draft_cost_curve": ("eval/reference/engine_draft.json", _stored_table("engine_draft_cost_curve")),
     **{name: (QS, _stored_table(name)) for name in QS_TABLES},
     **{name: (src, _stored_table(name)) for src in WHOLE_FILES for name in _tables_of(src)},
 }

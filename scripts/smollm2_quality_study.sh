@@ -24,15 +24,23 @@
 #   draft     the draft model, 150 steps, on-policy fraction 0.5 (fixed data: runs/smollm2-draft/best)
 #   eval*     tau per set at T=0 and T=1, chain k=3, $N prompts per set, 48 new tokens
 #   table     eval/reference/smollm2_quality.json (scripts/studies/smollm2_quality_tables.py), rendered by gen_tables.py
+#
+# At scale (issue 31): ROWS=N takes the first N rows of the recipe's data for the rows / specdata stages, and
+#   SCALE_STEPS=S STAGES="rows specdata specrows e3rows evalrows table" W=runs/study31 THREADS=2 bash ...
+# trains speculators' default (specrows) and the shipped recipe as it is (e3rows: data.max_rows=N, S steps, the
+# offline cache prefix) on those N rows, one job at a time on $THREADS threads, then decodes both (evalrows).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGES=${STAGES:-"rows specdata spec eagle3 eagle3lr lk medusa draftdiv draftdiv2 draft evalspec evalvariants evallr evallk evalmedusa evaldraftdiv evaldraftdiv2 evaldraft table"}
 W=${W:-runs/study16}
 N=${N:-10}
 E3_STEPS=${E3_STEPS:-60}
+ROWS=${ROWS:-0}            # 0: the recipe's whole data
+SCALE_STEPS=${SCALE_STEPS:-300}
+THREADS=${THREADS:-1}
 SPEC_VENV=${SPEC_VENV:-/work/spec_venv}
 ANC=${SPECULATORS_ANCHOR:-../shared/anchors/speculators_cpu}
-export OMP_NUM_THREADS=1 SPECTRAIN_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export OMP_NUM_THREADS=$THREADS SPECTRAIN_NUM_THREADS=$THREADS HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; SECONDS=0; }
 done_in() { echo "== $1 took ${SECONDS}s"; }
@@ -41,6 +49,7 @@ mkdir -p "$W" "$W/lr1e-3" "$W/lk" "$W/medusa" "$W/draftdiv"
 HFD=$(python -c "from spectrain.targets.gguf import resolve_target_path as r; print(r('models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf'))")
 sed "s#name_or_path: models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf#name_or_path: $HFD#" \
   recipes/smollm2-135m/eagle3.yaml > "$W/eagle3_hfdir.yaml"
+[ "$ROWS" -gt 0 ] && sed -i "s#^  format: messages#&\n  max_rows: $ROWS#" "$W/eagle3_hfdir.yaml"
 
 if has rows && [ ! -f "$W/rows/rows_meta.json" ]; then
   stage rows; python "$ANC/export_spectrain_rows.py" --recipe "$W/eagle3_hfdir.yaml" --out "$W/rows"; done_in rows
@@ -49,22 +58,33 @@ if has specdata && [ ! -f "$W/spec-data/harness_meta.json" ]; then
   stage specdata
   "$SPEC_VENV/bin/python" "$ANC/make_offline_from_rows.py" --rows "$W/rows/rows.jsonl" \
     --token-freq "$W/rows/token_freq_train.pt" --target "$HFD" --out "$W/spec-data" --seq-len 384 \
-    --hs-dtype float32 --threads 1
+    --hs-dtype float32 --threads "$THREADS"
   done_in specdata
 fi
 # equal budget: the same 560 train rows (32 held-out rows as validation), draft vocab 8192 from the same counts,
 # aux layers [2, 15, 27], 300 steps of ~1,600 tokens, cosine with 20 warm-up steps, TTT 4 with decay 0.8, no
 # weight decay, fp32 hidden states; speculators keeps its own layer layout (the three norms) and AdamW betas
-spec() {  # $1: run dir, $2: lr
+spec() {  # $1: run dir, $2: lr, $3: steps
   [ -f "$W/$1/summary.json" ] && return
   stage "speculators $1"
+  # the train rows come first in rows.jsonl, the held-out rows after them: speculators' validation split
+  # (it splits at int(len * ratio)) is exactly the held-out rows
+  local ratio; ratio=$(python -c "import json; m = json.load(open('$W/rows/rows_meta.json'))
+print((m['train']['rows'] + 0.5) / (m['train']['rows'] + m['heldout']['rows']))")
   "$SPEC_VENV/bin/python" "$ANC/run_speculators.py" --target "$HFD" --data "$W/spec-data" --run-dir "$W/$1" \
-    --steps 300 --ttt-steps 4 --lr "$2" --draft-vocab-size 8192 --total-seq-len 1800 --scheduler cosine \
-    --warmup-steps 20 --hs-dtype float32 --train-ratio 0.94679054 --threads 1 \
+    --steps "${3:-300}" --ttt-steps 4 --lr "$2" --draft-vocab-size 8192 --total-seq-len 1800 --scheduler cosine \
+    --warmup-steps 20 --hs-dtype float32 --train-ratio "$ratio" --threads "$THREADS" \
     -- --ttt-step-loss-decay 0.8 --weight-decay 0.0 > "$W/$1.log" 2>&1
   done_in "speculators $1"
 }
 if has spec; then for r in ${SPEC_RUNS:-spec_default:1e-3 spec_lr2e-3:2e-3}; do spec "${r%%:*}" "${r#*:}"; done; fi
+if has specrows; then spec "spec_rows$ROWS" 1e-3 "$SCALE_STEPS"; fi
+if has e3rows && [ ! -d "$W/e3_rows$ROWS/best" ]; then  # the recipe as it is, on the same first N rows
+  stage "spectrain e3_rows$ROWS"
+  python -m spectrain train smollm2-135m/eagle3 data.max_rows="$ROWS" training.max_steps="$SCALE_STEPS" \
+    training.checkpoint_every=50 training.resume_from=auto output_dir="$W/e3_rows$ROWS" > "$W/e3_rows$ROWS.log" 2>&1
+  done_in "spectrain e3_rows$ROWS"
+fi
 if has eagle3; then
   stage eagle3
   python -m scripts.studies.onpolicy_study --family eagle3 --recipe recipes/smollm2-135m/eagle3.yaml --steps "$E3_STEPS" \
@@ -117,6 +137,8 @@ heads() {
   [ -d "$W/draftdiv/draft-fixed-150/best" ] && link draft_fixed_rerun "$W/draftdiv/draft-fixed-150/best"
   for v in tvd rkl jsd; do [ -d "$W/draftdiv/draft-$v-150/best" ] && link "draft_$v" "$W/draftdiv/draft-$v-150/best"; done
   [ -d runs/smollm2-draft/best ] && link draft_fixed runs/smollm2-draft/best
+  [ -d "$W/e3_rows$ROWS/best" ] && link "spectrain_${ROWS}rows" "$W/e3_rows$ROWS/best"
+  [ -f "$W/spec_rows$ROWS/summary.json" ] && link "speculators_${ROWS}rows" "$(last_ckpt "spec_rows$ROWS")"
   [ -d "$W/draft-on_policy0.5-150/best" ] && link draft_on_policy0.5 "$W/draft-on_policy0.5-150/best"
   return 0
 }
@@ -132,6 +154,7 @@ ev() {  # $1: tag of the report dir, rest: head names
 # the reports merge by prompt id, so the heads may be decoded in several runs (SPEC_EVAL_TAG, SPEC_EVAL_HEADS)
 if has evalspec; then heads; ev "${SPEC_EVAL_TAG:--spec}" ${SPEC_EVAL_HEADS:-spectrain_default speculators_default \
   speculators_default_lr2e-3}; fi
+if has evalrows; then heads; ev "-rows$ROWS" "spectrain_${ROWS}rows" "speculators_${ROWS}rows"; fi
 if has evaldraft; then heads; ev -draft draft_fixed draft_on_policy0.5; fi
 if has evalvariants; then heads; N=${VARIANTS_N:-$N} ev -variants e3_fkl e3_lk e3_rollout0.5; fi
 if has evallr; then heads; ev -lr e3_lr1e-3_fkl e3_lr1e-3_rollout0.5 e3_lr1e-3_packed; fi
