@@ -26,8 +26,10 @@ LABELS = {"draft-eagle3": "EAGLE-3 head", "draft-simple": "draft model"}  # --sp
 
 
 def label(rec: dict) -> str:
-    kind = rec["engine_spec_type"]
-    return "n-gram (engine)" if kind.startswith("ngram") else LABELS[kind]
+    kind, weights = rec["engine_spec_type"], rec.get("engine_gguf_type")
+    if kind.startswith("ngram"):
+        return "n-gram (engine)"
+    return LABELS[kind] + (f" ({weights})" if weights and weights != "f32" else "")
 
 
 def speed_table(records: list[dict]) -> dict:

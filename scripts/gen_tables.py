@@ -294,6 +294,8 @@ TABLES: dict[str, tuple[str, object]] = {
     "engine_draft_speed": ("eval/reference/engine_draft.json", _stored_table("engine_draft_speed")),
     "engine_draft_conformance": ("eval/reference/engine_draft.json", _stored_table("engine_draft_conformance")),
     "engine_draft_cost_curve": ("eval/reference/engine_draft.json", _stored_table("engine_draft_cost_curve")),
+    "engine_draft_q8_speed": ("eval/reference/engine_draft_q8.json", _stored_table("engine_draft_q8_speed")),
+    "engine_draft_q8_cost_curve": ("eval/reference/engine_draft_q8.json", _stored_table("engine_draft_q8_cost_curve")),
     **{name: (QS, _stored_table(name)) for name in QS_TABLES},
     **{name: (src, _stored_table(name)) for src in WHOLE_FILES for name in _tables_of(src)},
 }

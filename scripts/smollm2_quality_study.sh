@@ -28,7 +28,8 @@
 # At scale (issue 31): ROWS=N takes the first N rows of the recipe's data for the rows / specdata stages, and
 #   SCALE_STEPS=S STAGES="rows specdata specrows e3rows evalrows table" W=runs/study31 THREADS=2 bash ...
 # trains speculators' default (specrows) and the shipped recipe as it is (e3rows: data.max_rows=N, S steps, the
-# offline cache prefix) on those N rows, one job at a time on $THREADS threads, then decodes both (evalrows).
+# offline cache prefix) on those N rows, one job at a time on $THREADS threads, then decodes both (evalrows);
+# e3rowslr / evalrowslr: the recipe at speculators' optimizer on the same rows (its records pair with evalrows').
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGES=${STAGES:-"rows specdata spec eagle3 eagle3lr lk medusa draftdiv draftdiv2 draft evalspec evalvariants evallr evallk evalmedusa evaldraftdiv evaldraftdiv2 evaldraft table"}
@@ -79,12 +80,17 @@ print((m['train']['rows'] + 0.5) / (m['train']['rows'] + m['heldout']['rows']))"
 }
 if has spec; then for r in ${SPEC_RUNS:-spec_default:1e-3 spec_lr2e-3:2e-3}; do spec "${r%%:*}" "${r#*:}"; done; fi
 if has specrows; then spec "spec_rows$ROWS" 1e-3 "$SCALE_STEPS"; fi
-if has e3rows && [ ! -d "$W/e3_rows$ROWS/best" ]; then  # the recipe as it is, on the same first N rows
-  stage "spectrain e3_rows$ROWS"
+e3rows() {  # $1: run dir under $W, then overrides: the recipe on the same first N rows, $SCALE_STEPS steps
+  local run=$1; shift
+  [ -d "$W/$run/best" ] && return
+  stage "spectrain $run"
   python -m spectrain train smollm2-135m/eagle3 data.max_rows="$ROWS" training.max_steps="$SCALE_STEPS" \
-    training.checkpoint_every=50 training.resume_from=auto output_dir="$W/e3_rows$ROWS" > "$W/e3_rows$ROWS.log" 2>&1
-  done_in "spectrain e3_rows$ROWS"
-fi
+    training.checkpoint_every=50 training.resume_from=auto output_dir="$W/$run" "$@" > "$W/$run.log" 2>&1
+  done_in "spectrain $run"
+}
+if has e3rows; then e3rows "e3_rows$ROWS"; fi  # the recipe as it is
+# e3rowslr: the recipe at speculators' optimizer (lr 1e-3, AdamW betas 0.9 / 0.999), all else as it is
+if has e3rowslr; then e3rows "e3lr_rows$ROWS" training.lr=1e-3 "training.adam_betas=[0.9,0.999]"; fi
 if has eagle3; then
   stage eagle3
   python -m scripts.studies.onpolicy_study --family eagle3 --recipe recipes/smollm2-135m/eagle3.yaml --steps "$E3_STEPS" \
@@ -138,6 +144,7 @@ heads() {
   for v in tvd rkl jsd; do [ -d "$W/draftdiv/draft-$v-150/best" ] && link "draft_$v" "$W/draftdiv/draft-$v-150/best"; done
   [ -d runs/smollm2-draft/best ] && link draft_fixed runs/smollm2-draft/best
   [ -d "$W/e3_rows$ROWS/best" ] && link "spectrain_${ROWS}rows" "$W/e3_rows$ROWS/best"
+  [ -d "$W/e3lr_rows$ROWS/best" ] && link "spectrain_lr1e-3_${ROWS}rows" "$W/e3lr_rows$ROWS/best"
   [ -f "$W/spec_rows$ROWS/summary.json" ] && link "speculators_${ROWS}rows" "$(last_ckpt "spec_rows$ROWS")"
   [ -d "$W/draft-on_policy0.5-150/best" ] && link draft_on_policy0.5 "$W/draft-on_policy0.5-150/best"
   return 0
@@ -155,6 +162,7 @@ ev() {  # $1: tag of the report dir, rest: head names
 if has evalspec; then heads; ev "${SPEC_EVAL_TAG:--spec}" ${SPEC_EVAL_HEADS:-spectrain_default speculators_default \
   speculators_default_lr2e-3}; fi
 if has evalrows; then heads; ev "-rows$ROWS" "spectrain_${ROWS}rows" "speculators_${ROWS}rows"; fi
+if has evalrowslr; then heads; ev "-rowslr$ROWS" "spectrain_lr1e-3_${ROWS}rows"; fi
 if has evaldraft; then heads; ev -draft draft_fixed draft_on_policy0.5; fi
 if has evalvariants; then heads; N=${VARIANTS_N:-$N} ev -variants e3_fkl e3_lk e3_rollout0.5; fi
 if has evallr; then heads; ev -lr e3_lr1e-3_fkl e3_lr1e-3_rollout0.5 e3_lr1e-3_packed; fi

@@ -58,3 +58,12 @@ def test_bad_drafters_and_reports_are_refused(tmp_path):
         conformance.load_records(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="neither"):
         resolve_drafter(str(tmp_path), "t.gguf", tmp_path)
+
+
+@pytest.mark.parametrize("quant,weights", [("Q8_0", "q8_0"), ("F32", "f32")])
+def test_a_draft_gguf_is_served_as_a_draft_lm_with_its_weight_type_recorded(tmp_path, quant, weights):
+    from gguf_fixture import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "draft.gguf", quant=quant)
+    d = resolve_drafter(str(path), "t.gguf", tmp_path)
+    assert (d.model, d.spec_type, d.weight_type) == (path, "draft-simple", weights)

@@ -69,3 +69,18 @@ def test_export_serve_and_greedy_equality(engine, smollm2, head, tmp_path, capsy
             # every step drafts (p_min 0) but the prefill pass and, per prompt, at most one step at the budget's end
             assert 0 < r["target_passes"] - r["attempts"][0] <= 2 * r["n_prompts"]
             assert sum(r["accepts"]) == r["accepted_tokens"] and 0 < r["drafted_tokens"] <= 2 * r["attempts"][0]
+
+
+def test_a_q8_0_head_is_smaller_serves_at_the_evaluated_k_and_stays_lossless(engine, smollm2, head, tmp_path, capsys):
+    f32, q8 = tmp_path / "f32", tmp_path / "q8"
+    assert main(["export", str(head), "--format", "llama.cpp", "--out", str(f32), "--target", str(smollm2)]) == 0
+    capsys.readouterr()
+    assert main(["export", str(head), "--format", "llama.cpp", "--gguf-type", "q8_0", "--k", "2", "--out", str(q8),
+                 "--target", str(smollm2)]) == 0
+    assert "--spec-draft-n-max 2 " in capsys.readouterr().out  # the line serves the k asked for, not a default
+    assert (q8 / "model.gguf").stat().st_size < 0.4 * (f32 / "model.gguf").stat().st_size
+    rc = main(["eval", "--engine", "llama.cpp", "--target", str(smollm2), "--drafter", str(q8), "--prompts",
+               "mt_bench", "--n", "2", "--max-new-tokens", "24", "--k", "2", "--temperature", "0",
+               "--out", str(tmp_path / "eval")])
+    (r,) = json.loads((tmp_path / "eval" / "report.json").read_text())["records"]
+    assert rc == 0 and r["greedy_check"]["fail"] == 0 and r["drafted_tokens"] > 0

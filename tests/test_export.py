@@ -459,3 +459,23 @@ def test_hf_draft_config_carries_both_rope_styles(tmp_path):
     assert out["rope_scaling"] == {k: v for k, v in llama3.items() if k != "rope_theta"}
     assert AutoConfig.from_pretrained(str(tmp_path / "out")).rope_parameters == llama3
     assert model is not None
+
+
+def test_gguf_type_is_refused_for_formats_that_write_no_gguf(eagle3_ckpt, tmp_path):
+    with pytest.raises(ValueError, match="--gguf-type .* writes no GGUF"):
+        E.export(eagle3_ckpt[1], "vllm-eagle3", tmp_path / "out", gguf_type="q8_0")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("written,asked,ok", [("Q8_0", "q8_0", True), ("F32", "f32", True), ("F32", "q8_0", False),
+                                              ("Q8_0", "f32", False), ("Q8_0", None, True)])
+def test_gguf_validation_checks_the_weight_type_asked_for(tmp_path, written, asked, ok):
+    from gguf_fixture import write_tiny_gguf
+
+    from spectrain.export.llama_cpp import gguf_problems
+
+    path = write_tiny_gguf(tmp_path / "draft.gguf", quant=written)
+    problems = gguf_problems(path, "llama.cpp-draft", None, asked)
+    assert (problems == []) == ok, problems
+    if not ok:  # names what the file holds and what was asked for
+        assert written.lower() in problems[0] and asked in problems[0]

@@ -55,6 +55,7 @@ class EngineDrafter:
     name: str
     model: Path | None  # the draft GGUF; None for the engine's n-gram modes
     spec_type: str
+    weight_type: str | None = None  # the GGUF's largest tensor's storage type (f32, q8_0, ...)
 
 
 def resolve_drafter(spec: str, target: str, work: Path) -> EngineDrafter:
@@ -64,8 +65,9 @@ def resolve_drafter(spec: str, target: str, work: Path) -> EngineDrafter:
     p = Path(spec)
     gguf = p if p.suffix == ".gguf" else p / GGUF_NAME
     if gguf.is_file():
-        arch = read_gguf_meta(gguf)[0].get("general.architecture")
-        return EngineDrafter(spec, gguf, SPEC_TYPE_BY_ARCH.get(arch, "draft-simple"))
+        meta, _, weights = read_gguf_meta(gguf)
+        return EngineDrafter(spec, gguf, SPEC_TYPE_BY_ARCH.get(meta.get("general.architecture"), "draft-simple"),
+                             weights)
     src = resolve_source(p)
     kind = json.loads((src / "drafter_config.json").read_text()).get("kind")
     fmt = next((f for f in registry.family(kind).exports if f.startswith("llama.cpp-")), None)
@@ -226,7 +228,7 @@ def _records(args, cells, sets, encoded, drafters, curve) -> list[dict]:
                     cell["prompt_stats"], cell["stats"] = cell["stats"], DecodeStats.merge(cell["stats"])
                     cell["prompt_ids"] = [prompt_id(ids) for ids in encoded[ps.name]]
                     rec = report.make_record(d.name, cfg, ps, cell, base, None)
-                    rec["engine_spec_type"] = d.spec_type
+                    rec["engine_spec_type"], rec["engine_gguf_type"] = d.spec_type, d.weight_type
                     rec["predicted_speedup_cost_curve"] = _predict(rec, curve, k)
                     records.append(rec)
     return records

@@ -36,6 +36,7 @@ from spectrain.export.eagle3 import (
     validate_vllm_eagle3,
 )
 from spectrain.export.hf_draft import export_hf_draft, validate_hf_draft
+from spectrain.export.llama_cpp import GGUF_TYPES
 from spectrain.export.medusa import export_medusa, export_vllm_medusa, validate_medusa, validate_vllm_medusa
 from spectrain.export.serving import (
     ENGINE_NAMES,
@@ -82,18 +83,24 @@ def formats() -> list[str]:
 
 
 def export(source, fmt: str, out, target: str | None = None, force: bool = False, k: int | None = None,
-           tree: dict | None = None, engines: tuple[str, ...] | None = None) -> dict:
+           tree: dict | None = None, engines: tuple[str, ...] | None = None, gguf_type: str | None = None) -> dict:
     """Resolve a run or checkpoint dir, export it as ``fmt`` into ``out`` (validated before it lands), with the
-    serve commands for a chain of ``k`` or a ``tree`` (summary["serve"], and the export's README.md)."""
+    serve commands for a chain of ``k`` or a ``tree`` (summary["serve"], and the export's README.md);
+    ``gguf_type``: the llama.cpp GGUF's weight type (f32 when not given)."""
     src = resolve_source(source)
     fmt = engine_format(src, fmt)
     exporter = _format(fmt)[0]
+    if gguf_type and not fmt.startswith("llama.cpp-"):
+        raise ValueError(f"--gguf-type is the llama.cpp GGUF's weight type; --format {fmt} writes no GGUF "
+                         "(use --format llama.cpp, or drop --gguf-type)")
     dest = guard_export(src, out, force, target)
     head = read_config(src, registry.format_family(fmt).kind, fmt)  # a drafter of the wrong kind fails here, naming the format
     d = resolve_decode(head, k, tree)
+    # llama-server's draft length is the evaluated k (it has no tree), in the line the GGUF export prints
+    extra = {"k": d.k, **({"gguf_type": gguf_type} if gguf_type else {})} if fmt.startswith("llama.cpp-") else {}
     commands = serve_commands(fmt, head, str(dest), hf_target(target or head.get("target") or ""), d, engines)
     with writing(out, remove=False):  # names --out in a disk-full message (the staged temp dir is removed)
-        summary = exporter(src, dest, target, overwrite=force, readme=readme_section(commands, d.label))
+        summary = exporter(src, dest, target, overwrite=force, readme=readme_section(commands, d.label), **extra)
     return {**summary, "serve": commands, "decode": d.label}
 
 
@@ -140,6 +147,9 @@ def add_export_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "head's training length: EAGLE-3 ttt_steps, Medusa num_heads; 5 for a draft model)")
     p.add_argument("--tree", default=None, help="tree the serve command uses, as evaluated with `spectrain eval "
                                                 "--tree`, e.g. topk=4,depth=5,total=32 (overrides --k with depth)")
+    p.add_argument("--gguf-type", choices=GGUF_TYPES, default=None,
+                   help="--format llama.cpp: the GGUF's weight type (default f32); a drafter quantized like its "
+                        "target costs the engine less per drafted token")
     p.add_argument("--engine", action="append", choices=list(ENGINES), default=None,
                    help="print the serve command of this engine only (default: every engine that loads --format); "
                         "repeatable")
@@ -159,7 +169,7 @@ def main(args: argparse.Namespace) -> int:
     tree = parse_tree(args.tree) if args.tree else None
     try:
         summary = export(args.source, args.format, args.out, args.target, args.force, args.k, tree,
-                         tuple(args.engine or ()))
+                         tuple(args.engine or ()), args.gguf_type)
     except ExportError as e:
         print(f"spectrain export: error: the {args.format} export did not validate; nothing was written "
               f"to {args.out}:", file=sys.stderr)

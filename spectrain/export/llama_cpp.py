@@ -35,6 +35,9 @@ from spectrain.export.hf_draft import export_hf_draft
 from spectrain.targets.gguf import resolve_target_path
 
 GGUF_NAME = "model.gguf"
+# the converter's --outtype values a drafter may take: its weights beside a quantized target cost the engine less
+# than fp32 (the largest tensors take the type; norms stay f32)
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 NOT_COMPUTED = {"norm_output": "llama.cpp feeds the draft layer's pre-norm output to the next step",
                 "fc_norm": "llama.cpp has no tensor for per-aux-state norms (the converter maps no fc_norm.*)"}
 
@@ -47,7 +50,6 @@ class GGUFFormat:
     spec_type: str  # llama-server --spec-type
     needs_target_dir: bool  # the converter reads the target's config / tokenizer (EAGLE-3 heads)
     refused: Callable[[dict], list[str]]  # layouts the engine cannot compute
-    default_k: Callable[[dict], int]
     architecture: str | None  # general.architecture the GGUF must name (None: any)
 
 
@@ -56,9 +58,8 @@ def refused_layout(cfg: dict) -> list[str]:
 
 
 FORMATS = {
-    "llama.cpp-eagle3": GGUFFormat(export_vllm_eagle3, "draft-eagle3", True, refused_layout,
-                                   lambda cfg: int(cfg.get("ttt_steps", 3)), "eagle3"),
-    "llama.cpp-draft": GGUFFormat(export_hf_draft, "draft-simple", False, lambda cfg: [], lambda cfg: 3, None),
+    "llama.cpp-eagle3": GGUFFormat(export_vllm_eagle3, "draft-eagle3", True, refused_layout, "eagle3"),
+    "llama.cpp-draft": GGUFFormat(export_hf_draft, "draft-simple", False, lambda cfg: [], None),
 }
 
 
@@ -73,9 +74,9 @@ def _target_dir(target: str) -> Path:
     return local
 
 
-def _convert(hf_dir: Path, out_file: Path, target_dir: Path | None) -> None:
+def _convert(hf_dir: Path, out_file: Path, target_dir: Path | None, gguf_type: str = "f32") -> None:
     engine = llama_cpp.require()
-    cmd = [sys.executable, str(engine.converter), str(hf_dir), "--outtype", "f32", "--outfile", str(out_file)]
+    cmd = [sys.executable, str(engine.converter), str(hf_dir), "--outtype", gguf_type, "--outfile", str(out_file)]
     if target_dir is not None:
         cmd += ["--target-model-dir", str(target_dir)]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -89,8 +90,8 @@ def _convert(hf_dir: Path, out_file: Path, target_dir: Path | None) -> None:
                            f"{(done.stderr.strip().splitlines() or ['no output'])[-1][:200]}; {hint}")
 
 
-def read_gguf_meta(path: Path) -> tuple[dict, list[str]]:
-    """(metadata key -> python value, tensor names) of a GGUF file."""
+def read_gguf_meta(path: Path) -> tuple[dict, list[str], str]:
+    """(metadata key -> python value, tensor names, the storage type of the largest tensor) of a GGUF file."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -102,15 +103,19 @@ def read_gguf_meta(path: Path) -> tuple[dict, list[str]]:
             meta[name] = field.contents()
         except Exception:  # a field type this gguf version cannot render: not one spectrain checks
             continue
-    return meta, [t.name for t in reader.tensors]
+    largest = max(reader.tensors, key=lambda t: int(t.n_elements), default=None)
+    return meta, [t.name for t in reader.tensors], largest.tensor_type.name.lower() if largest else "none"
 
 
-def gguf_problems(path: Path, fmt: str, cfg: dict | None) -> list[str]:
-    """What the written GGUF says differently from the head it was converted from ([] = it matches)."""
-    meta, tensors = read_gguf_meta(path)
+def gguf_problems(path: Path, fmt: str, cfg: dict | None, gguf_type: str | None = None) -> list[str]:
+    """What the written GGUF says differently from the head it was converted from, or from the storage type it
+    was asked for ([] = it matches)."""
+    meta, tensors, stored = read_gguf_meta(path)
     arch, want_arch = meta.get("general.architecture"), FORMATS[fmt].architecture
     if not arch or (want_arch and arch != want_arch):
         return [f"general.architecture = {arch!r}, {fmt} needs {want_arch or 'one'}"]
+    if gguf_type and stored != gguf_type:
+        return [f"the largest tensor is stored as {stored}, --gguf-type asked for {gguf_type}"]
     if cfg is None or not want_arch:  # --validate-only, or a draft model (an ordinary LM: nothing head-specific)
         return []
     want = {"general.architecture": "eagle3", "eagle3.target_layers": list(cfg["aux_layers"]),
@@ -128,7 +133,10 @@ def serve_line(target: str, model: Path, spec_type: str, k: int) -> str:
             f"--spec-draft-n-max {k} --spec-draft-p-min 0 -np 1")
 
 
-def _export(fmt: str, src_dir, out_dir, target_name: str | None, overwrite: bool, readme: str) -> dict:
+def _export(fmt: str, src_dir, out_dir, target_name: str | None, overwrite: bool, readme: str,
+            gguf_type: str = "f32", k: int = 3) -> dict:
+    if gguf_type not in GGUF_TYPES:
+        raise ValueError(f"--gguf-type {gguf_type!r}: choose one of {', '.join(GGUF_TYPES)}")
     src, out, form = Path(src_dir), Path(out_dir), FORMATS[fmt]
     cfg = read_config(src, registry.format_family(fmt).kind, fmt)
     check_out(src, out, overwrite)
@@ -138,7 +146,6 @@ def _export(fmt: str, src_dir, out_dir, target_name: str | None, overwrite: bool
                          "drafter.eagle3.norm_output=false drafter.eagle3.fc_norm=false to serve it in llama.cpp")
     target = target_name or cfg.get("target") or ""
     tdir = _target_dir(target)
-    k = form.default_k(cfg)
     gguf_target = target if target.endswith(".gguf") else "TARGET.gguf"
     line = serve_line(gguf_target, out.resolve() / GGUF_NAME, form.spec_type, k)
     with tempfile.TemporaryDirectory(prefix=".llama-cpp-", dir=out.parent if out.parent.exists() else None) as t:
@@ -146,29 +153,30 @@ def _export(fmt: str, src_dir, out_dir, target_name: str | None, overwrite: bool
         form.hf_export(src, hf, str(tdir))
 
         def validate(d: Path) -> list[str]:
-            return validate_llama_cpp(d, fmt, cfg)
+            return validate_llama_cpp(d, fmt, cfg, gguf_type)
 
         text = (f"# {fmt} export by spectrain\n\nServe it with the llama.cpp that `spectrain engine fetch llama.cpp` "
                 f"built ({llama_cpp.require().version}):\n\n    {line}\n\n{readme}")
         with staged(out, fmt, validate, text) as tmp:
-            _convert(hf, tmp / GGUF_NAME, tdir if form.needs_target_dir else None)
-    return {**summary(fmt, src, out, target, [], {"gguf": str(out / GGUF_NAME), "serve_line": line}),
+            _convert(hf, tmp / GGUF_NAME, tdir if form.needs_target_dir else None, gguf_type)
+    return {**summary(fmt, src, out, target, [], {"gguf": str(out / GGUF_NAME), "serve_line": line,
+                                                  "gguf_type": gguf_type}),
             "aux_layer_ids_written": cfg.get("aux_layers")}
 
 
-def validate_llama_cpp(out_dir, fmt: str, cfg: dict | None = None) -> list[str]:
+def validate_llama_cpp(out_dir, fmt: str, cfg: dict | None = None, gguf_type: str | None = None) -> list[str]:
     path = Path(out_dir) / GGUF_NAME
-    return gguf_problems(path, fmt, cfg) if path.is_file() else [f"{path} is missing"]
+    return gguf_problems(path, fmt, cfg, gguf_type) if path.is_file() else [f"{path} is missing"]
 
 
 def export_llama_cpp_eagle3(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False,
-                            readme: str = "") -> dict:
-    return _export("llama.cpp-eagle3", src_dir, out_dir, target_name, overwrite, readme)
+                            readme: str = "", gguf_type: str = "f32", k: int = 3) -> dict:
+    return _export("llama.cpp-eagle3", src_dir, out_dir, target_name, overwrite, readme, gguf_type, k)
 
 
 def export_llama_cpp_draft(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False,
-                           readme: str = "") -> dict:
-    return _export("llama.cpp-draft", src_dir, out_dir, target_name, overwrite, readme)
+                           readme: str = "", gguf_type: str = "f32", k: int = 3) -> dict:
+    return _export("llama.cpp-draft", src_dir, out_dir, target_name, overwrite, readme, gguf_type, k)
 
 
 def validate_llama_cpp_eagle3(out_dir) -> list[str]:
