@@ -71,7 +71,8 @@ def main(study: str, name: str = "engine") -> int:
         meta["conformance"] = {"rows": conformance.alpha_rows(own, records), "greedy_agreement": None}
     agree = meta["conformance"]["greedy_agreement"]
     data = {"provenance": {"what": "SmolLM2-135M-Instruct Q4_1 in llama.cpp with a spectrain drafter (EAGLE-3 head or "
-                                   "draft model) and the engine's n-gram mode, beside spectrain's own evaluator (scripts/engine_study.sh)",
+                                   "draft model) and the engine's n-gram mode, beside spectrain's own evaluator "
+                                   "(scripts/engine_study.sh)",
                            "command": meta["command"], "engine": meta["engine"], "date_utc": meta["date_utc"],
                            "grid_seconds": meta["grid_seconds"], "threads": meta["threads"],
                            "cost_curve_depth": meta["cost_curve"]["depth"], "greedy_agreement": agree},

@@ -128,7 +128,8 @@ def training_table(work: Path) -> dict:
             "draft_on_policy0.5": ("spectrain", work / "draft-on_policy0.5-150"),
             "draft_fixed_rerun": ("spectrain", work / "draftdiv/draft-fixed-150"),
             **{f"draft_{v}": ("spectrain", work / f"draftdiv/draft-{v}-150") for v in ("tvd", "rkl", "jsd")},
-            **{f"spectrain_{p.name[len('e3_rows'):]}rows": ("spectrain", p) for p in sorted(work.glob("e3_rows*")) if p.is_dir()},
+            **{f"spectrain_{p.name[len('e3_rows'):]}rows": ("spectrain", p)
+               for p in sorted(work.glob("e3_rows*")) if p.is_dir()},
             **{f"spectrain_lr1e-3_{p.name[len('e3lr_rows'):]}rows": ("spectrain", p)
                for p in sorted(work.glob("e3lr_rows*")) if p.is_dir()},
             **{f"speculators_{p.name[len('spec_rows'):]}rows": ("speculators", p)

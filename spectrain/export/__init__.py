@@ -89,15 +89,15 @@ def export(source, fmt: str, out, target: str | None = None, force: bool = False
     ``gguf_type``: the llama.cpp GGUF's weight type (f32 when not given)."""
     src = resolve_source(source)
     fmt = engine_format(src, fmt)
-    exporter = _format(fmt)[0]
-    if gguf_type and not fmt.startswith("llama.cpp-"):
+    exporter, gguf = _format(fmt)[0], fmt.startswith("llama.cpp-")
+    if gguf_type and not gguf:
         raise ValueError(f"--gguf-type is the llama.cpp GGUF's weight type; --format {fmt} writes no GGUF "
                          "(use --format llama.cpp, or drop --gguf-type)")
     dest = guard_export(src, out, force, target)
     head = read_config(src, registry.format_family(fmt).kind, fmt)  # a drafter of the wrong kind fails here, naming the format
     d = resolve_decode(head, k, tree)
     # llama-server's draft length is the evaluated k (it has no tree), in the line the GGUF export prints
-    extra = {"k": d.k, **({"gguf_type": gguf_type} if gguf_type else {})} if fmt.startswith("llama.cpp-") else {}
+    extra = {"k": d.k, **({"gguf_type": gguf_type} if gguf_type else {})} if gguf else {}
     commands = serve_commands(fmt, head, str(dest), hf_target(target or head.get("target") or ""), d, engines)
     with writing(out, remove=False):  # names --out in a disk-full message (the staged temp dir is removed)
         summary = exporter(src, dest, target, overwrite=force, readme=readme_section(commands, d.label), **extra)

@@ -32,6 +32,7 @@ from spectrain.engines import llama_cpp
 from spectrain.export.common import check_out, read_config, staged, summary
 from spectrain.export.eagle3 import export_vllm_eagle3
 from spectrain.export.hf_draft import export_hf_draft
+from spectrain.export.serving import resolve_decode
 from spectrain.targets.gguf import resolve_target_path
 
 GGUF_NAME = "model.gguf"
@@ -134,7 +135,7 @@ def serve_line(target: str, model: Path, spec_type: str, k: int) -> str:
 
 
 def _export(fmt: str, src_dir, out_dir, target_name: str | None, overwrite: bool, readme: str,
-            gguf_type: str = "f32", k: int = 3) -> dict:
+            gguf_type: str = "f32", k: int | None = None) -> dict:
     if gguf_type not in GGUF_TYPES:
         raise ValueError(f"--gguf-type {gguf_type!r}: choose one of {', '.join(GGUF_TYPES)}")
     src, out, form = Path(src_dir), Path(out_dir), FORMATS[fmt]
@@ -147,6 +148,7 @@ def _export(fmt: str, src_dir, out_dir, target_name: str | None, overwrite: bool
     target = target_name or cfg.get("target") or ""
     tdir = _target_dir(target)
     gguf_target = target if target.endswith(".gguf") else "TARGET.gguf"
+    k = resolve_decode(cfg, k).k  # the family's served length unless given (spectrain export's --k / --tree depth)
     line = serve_line(gguf_target, out.resolve() / GGUF_NAME, form.spec_type, k)
     with tempfile.TemporaryDirectory(prefix=".llama-cpp-", dir=out.parent if out.parent.exists() else None) as t:
         hf = Path(t) / "hf"
@@ -170,12 +172,12 @@ def validate_llama_cpp(out_dir, fmt: str, cfg: dict | None = None, gguf_type: st
 
 
 def export_llama_cpp_eagle3(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False,
-                            readme: str = "", gguf_type: str = "f32", k: int = 3) -> dict:
+                            readme: str = "", gguf_type: str = "f32", k: int | None = None) -> dict:
     return _export("llama.cpp-eagle3", src_dir, out_dir, target_name, overwrite, readme, gguf_type, k)
 
 
 def export_llama_cpp_draft(src_dir, out_dir, target_name: str | None = None, *, overwrite: bool = False,
-                           readme: str = "", gguf_type: str = "f32", k: int = 3) -> dict:
+                           readme: str = "", gguf_type: str = "f32", k: int | None = None) -> dict:
     return _export("llama.cpp-draft", src_dir, out_dir, target_name, overwrite, readme, gguf_type, k)
 
 
