@@ -160,3 +160,34 @@ def test_cache_serves_the_recipes_rows_or_their_prefix_and_refuses_other_data(ta
     for other in (make_rows(10, seed=1), make_rows(3, seed=1), make_rows(11)):
         with pytest.raises(ValueError, match="not what feature cache .* holds .*prepare-features"):
             FeatureCache(tmp_path, target, pad_id=0).match(other)
+
+
+def test_a_finished_cache_grows_with_appended_rows_and_keeps_its_shards(target, head, tmp_path):
+    """More data appended to the recipe's files: only the new rows are computed, the old shards are kept as they
+    are, and the grown cache serves the same features as one written in one go; other changes are refused."""
+    kw = dict(max_length=512, shard_mb=40 * bytes_per_token(32, 3, "fp32") / 2**20, verbose=False)
+    small, grown = make_rows(10), make_rows(16)  # the same generator: grown's first 10 rows are small's
+    m, stats = write_feature_cache(target, {"train": small}, tmp_path, head.aux_layers, "fp32", **kw)
+    old = m["splits"]["train"]["shards"]
+    assert m["target_dtype"] == "float32" and stats["skipped"] == 0
+    m, stats = write_feature_cache(target, {"train": grown}, tmp_path, head.aux_layers, "fp32", **kw)
+    split = m["splits"]["train"]
+    assert stats["skipped"] == len(old) and stats["written"] >= 1
+    assert split["shards"][:len(old)] == old and split["segments"] == [10, 6] and split["rows"] == 16
+    assert split["shards"][len(old)]["row_start"] == 10  # the new segment starts its own shard
+    _, stats = write_feature_cache(target, {"train": grown}, tmp_path, head.aux_layers, "fp32", **kw)
+    assert stats["written"] == 0  # a rerun (or a resumed growth) keeps the segments' bounds
+    one_go = tmp_path / "one_go"
+    write_feature_cache(target, {"train": grown}, one_go, head.aux_layers, "fp32", **kw)
+    a, b = FeatureCache(tmp_path, target, pad_id=0), FeatureCache(one_go, target, pad_id=0)
+    a.match(grown)
+    FeatureCache(tmp_path, target, pad_id=0).match(small)  # the old prefix still trains from the grown cache
+    for i in (0, 9, 10, 15):
+        for k, v in a.row(i).items():
+            assert torch.allclose(v, b.row(i)[k], atol=1e-5), (i, k)
+    with pytest.raises(ValueError, match="grows only when the new rows follow its 16 rows unchanged"):
+        write_feature_cache(target, {"train": make_rows(20, seed=1)}, tmp_path, head.aux_layers, "fp32", **kw)
+    bf16 = make_tiny_target("llama")
+    bf16.model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="target_dtype"):  # features of two numerics never mix in one cache
+        write_feature_cache(bf16, {"train": make_rows(20)}, tmp_path, head.aux_layers, "fp32", **kw)

@@ -19,6 +19,12 @@ for H = 4096). Measured on the tiny test target (tests/test_features.py, first T
 batch): bf16 storage changes it by 3e-5 relative, fp8 by 2e-4, fp32 by < 1e-5 (batch-composition
 noise only). Every shard is written to a temp file and renamed, its sha256 recorded in the
 manifest after each shard, so an interrupted run resumes by skipping the finished shards.
+
+A finished cache grows with its data: when a split's rows are the cached rows followed by new ones (more
+regenerated data appended to ``data.train_files``), only the new rows are computed; each such growth is a
+``segments`` entry of the split, sharded on its own so the earlier shards keep their bounds. The manifest
+records the dtype the target computed in (``target_dtype``), and a cache is never grown or finished by a
+target computing in another dtype (its features would mix two numerics).
 """
 
 from __future__ import annotations
@@ -89,6 +95,33 @@ def _shard_bounds(lengths: list[int], budget_tokens: int) -> list[tuple[int, int
     return bounds
 
 
+def _segment_bounds(lengths: list[int], budget_tokens: int, segments: list[int]) -> list[tuple[int, int]]:
+    """Shard bounds of a split grown in ``segments`` (row counts, summing to len(lengths)): each segment is
+    sharded on its own, so the shards written before the split grew keep their bounds and are reused."""
+    bounds, start = [], 0
+    for n in segments:
+        bounds += [(start + a, start + b) for a, b in _shard_bounds(lengths[start:start + n], budget_tokens)]
+        start += n
+    return bounds
+
+
+def _segments(out: Path, split: str, prev: dict | None, rows, dh: str) -> list[int]:
+    """How the split's rows divide into the cache's growth segments; refuses rows that are not the cached
+    rows, or the cached rows followed by new ones."""
+    if prev is None:
+        return [len(rows)]
+    have = prev.get("segments", [prev["rows"]])
+    if prev["data_hash"] == dh:
+        return have
+    if prev.get("complete") and len(rows) > prev["rows"] and data_hash(rows[i] for i in range(prev["rows"])) \
+            == prev["data_hash"]:
+        return [*have, len(rows) - prev["rows"]]  # appended rows: a new segment
+    raise ValueError(f"the {split} data changed since {out} was written (data hash {prev['data_hash']} -> {dh}; "
+                     f"a cache grows only when the new rows follow its {prev['rows']} rows unchanged"
+                     f"{'' if prev.get('complete') else ' and it is complete'}); choose another "
+                     f"training.feature_cache or delete {out}")
+
+
 def _pad_id(target) -> int:
     tok = target.tokenizer
     for v in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None),
@@ -138,7 +171,7 @@ def cache_header(target, aux_layers: list[int], dtype: str, max_length: int) -> 
     return {"format_version": FORMAT_VERSION, "target": target.name_or_path,
             "target_fingerprint": target_fingerprint(target), "num_layers": target.num_layers,
             "hidden_size": target.hidden_size, "vocab_size": target.vocab_size, "aux_layers": list(aux_layers),
-            "dtype": dtype, "max_length": max_length,
+            "target_dtype": str(target.dtype).replace("torch.", ""), "dtype": dtype, "max_length": max_length,
             "bytes_per_token": bytes_per_token(target.hidden_size, len(aux_layers), dtype)}
 
 
@@ -193,7 +226,8 @@ def write_feature_cache(target, splits: dict, out_dir, aux_layers: list[int], dt
     old = json.loads(mpath.read_text()) if mpath.is_file() else None
     if old is not None:
         diff = {k: (old.get(k), v) for k, v in header.items() if old.get(k) != v
-                and not (k == "target_fingerprint" and same_target(old.get(k), target))}  # a v1 value still matches
+                and not (k == "target_fingerprint" and same_target(old.get(k), target))  # a v1 value still matches
+                and not (k == "target_dtype" and k not in old)}  # written before the field: not known
         if diff:
             raise ValueError(f"{out} already holds a feature cache written with other settings "
                              f"(field: (cache, now) = {diff}); choose another training.feature_cache or delete {out}")
@@ -204,13 +238,13 @@ def write_feature_cache(target, splits: dict, out_dir, aux_layers: list[int], dt
         lengths = [len(r["input_ids"]) for r in rows]
         dh = data_hash(rows)
         prev = manifest["splits"].get(split)
-        if prev and prev["data_hash"] != dh:
-            raise ValueError(f"the {split} data changed since {out} was written (data hash {prev['data_hash']} -> "
-                             f"{dh}); choose another training.feature_cache or delete {out}")
+        segments = _segments(out, split, prev, rows, dh)
         known = {s["file"]: s for s in prev["shards"]} if prev else {}
         entry = {"rows": len(lengths), "tokens": sum(lengths), "data_hash": dh, "shards": [], "complete": False}
+        if len(segments) > 1:
+            entry["segments"] = segments
         manifest["splits"][split] = entry
-        bounds = _shard_bounds(lengths, budget)
+        bounds = _segment_bounds(lengths, budget, segments)
         names = [f"{split}-{j:05d}.safetensors" for j in range(len(bounds))]
         mine = range(rank, len(bounds), world)
 
