@@ -32,6 +32,8 @@
 # e3rowslr / evalrowslr: the recipe at speculators' optimizer on the same rows (its records pair with evalrows').
 # e3rowsfp32 / evalrowsfp32: the recipe as it is on fp32 features of an fp32 target for the same rows (their own
 # cache, written first: speculators' hidden states are fp32 of an fp32 target; the shared cache is bf16 of bf16).
+# e3rowsnorm / evalrowsnorm: the recipe with drafter.eagle3.norm_output=true (speculators' layer layout; the recipe
+# drops it because llama.cpp feeds the draft layer's pre-norm state back).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGES=${STAGES:-"rows specdata spec eagle3 eagle3lr lk medusa draftdiv draftdiv2 draft evalspec evalvariants evallr evallk evalmedusa evaldraftdiv evaldraftdiv2 evaldraft table"}
@@ -93,6 +95,7 @@ e3rows() {  # $1: run dir under $W, then overrides: the recipe on the same first
 if has e3rows; then e3rows "e3_rows$ROWS"; fi  # the recipe as it is
 # e3rowslr: the recipe at speculators' optimizer (lr 1e-3, AdamW betas 0.9 / 0.999), all else as it is
 if has e3rowslr; then e3rows "e3lr_rows$ROWS" training.lr=1e-3 "training.adam_betas=[0.9,0.999]"; fi
+if has e3rowsnorm; then e3rows "e3norm_rows$ROWS" drafter.eagle3.norm_output=true; fi
 FP32_CACHE=.cache/features/smollm2-135m-rows$ROWS-fp32
 if has e3rowsfp32; then
   fp32=(data.max_rows="$ROWS" target.dtype=float32 features.dtype=fp32 training.feature_cache="$FP32_CACHE")
@@ -157,6 +160,7 @@ heads() {
   [ -d "$W/e3_rows$ROWS/best" ] && link "spectrain_${ROWS}rows" "$W/e3_rows$ROWS/best"
   [ -d "$W/e3lr_rows$ROWS/best" ] && link "spectrain_lr1e-3_${ROWS}rows" "$W/e3lr_rows$ROWS/best"
   [ -d "$W/e3fp32_rows$ROWS/best" ] && link "spectrain_fp32feat_${ROWS}rows" "$W/e3fp32_rows$ROWS/best"
+  [ -d "$W/e3norm_rows$ROWS/best" ] && link "spectrain_normout_${ROWS}rows" "$W/e3norm_rows$ROWS/best"
   [ -f "$W/spec_rows$ROWS/summary.json" ] && link "speculators_${ROWS}rows" "$(last_ckpt "spec_rows$ROWS")"
   [ -d "$W/draft-on_policy0.5-150/best" ] && link draft_on_policy0.5 "$W/draft-on_policy0.5-150/best"
   return 0
@@ -175,6 +179,7 @@ if has evalspec; then heads; ev "${SPEC_EVAL_TAG:--spec}" ${SPEC_EVAL_HEADS:-spe
   speculators_default_lr2e-3}; fi
 if has evalrows; then heads; ev "-rows$ROWS" "spectrain_${ROWS}rows" "speculators_${ROWS}rows"; fi
 if has evalrowslr; then heads; ev "-rowslr$ROWS" "spectrain_lr1e-3_${ROWS}rows"; fi
+if has evalrowsnorm; then heads; ev "-rowsnorm$ROWS" "spectrain_normout_${ROWS}rows"; fi
 if has evalrowsfp32; then heads; ev "-rowsfp32$ROWS" "spectrain_fp32feat_${ROWS}rows"; fi
 if has evaldraft; then heads; ev -draft draft_fixed draft_on_policy0.5; fi
 if has evalvariants; then heads; N=${VARIANTS_N:-$N} ev -variants e3_fkl e3_lk e3_rollout0.5; fi

@@ -41,10 +41,17 @@ PAIRED = [("sq_vs_speculators_default", "speculators_default",
           ("sq_draft_loss_vs_fixed", "draft_fixed_rerun", ["draft_tvd", "draft_rkl", "draft_jsd"]),
           # issue 31, at scale: the shipped recipe against speculators' default on the first 2,000 engine-written rows
           ("sq_scale_vs_speculators", "speculators_2000rows",
-           ["spectrain_2000rows", "spectrain_lr1e-3_2000rows", "spectrain_fp32feat_2000rows"]),
+           ["spectrain_2000rows", "spectrain_lr1e-3_2000rows", "spectrain_fp32feat_2000rows",
+            "spectrain_normout_2000rows"]),
+          # one change each against the recipe as it is: speculators' optimizer; fp32 features of an fp32 target
+          # (speculators' hidden states) instead of the shared bf16 cache; norm_output (speculators' layer layout)
           ("sq_scale_lr_vs_default", "spectrain_2000rows", ["spectrain_lr1e-3_2000rows"]),
-          # the same recipe on fp32 features of an fp32 target (speculators' hidden states) against the shared bf16 cache
-          ("sq_scale_fp32_vs_default", "spectrain_2000rows", ["spectrain_fp32feat_2000rows"])]
+          ("sq_scale_fp32_vs_default", "spectrain_2000rows", ["spectrain_fp32feat_2000rows"]),
+          ("sq_scale_normout_vs_default", "spectrain_2000rows", ["spectrain_normout_2000rows"])]
+# the at-scale run dirs under --work (scripts/smollm2_quality_study.sh e3rows*, specrows): prefix -> (trainer, head)
+SCALE_RUNS = {"e3_rows": ("spectrain", "spectrain_"), "e3lr_rows": ("spectrain", "spectrain_lr1e-3_"),
+              "e3fp32_rows": ("spectrain", "spectrain_fp32feat_"), "e3norm_rows": ("spectrain", "spectrain_normout_"),
+              "spec_rows": ("speculators", "speculators_")}
 
 
 RECORDS = ROOT / "eval/reference/smollm2_quality_records.json"
@@ -131,14 +138,8 @@ def training_table(work: Path) -> dict:
             "draft_on_policy0.5": ("spectrain", work / "draft-on_policy0.5-150"),
             "draft_fixed_rerun": ("spectrain", work / "draftdiv/draft-fixed-150"),
             **{f"draft_{v}": ("spectrain", work / f"draftdiv/draft-{v}-150") for v in ("tvd", "rkl", "jsd")},
-            **{f"spectrain_{p.name[len('e3_rows'):]}rows": ("spectrain", p)
-               for p in sorted(work.glob("e3_rows*")) if p.is_dir()},
-            **{f"spectrain_lr1e-3_{p.name[len('e3lr_rows'):]}rows": ("spectrain", p)
-               for p in sorted(work.glob("e3lr_rows*")) if p.is_dir()},
-            **{f"spectrain_fp32feat_{p.name[len('e3fp32_rows'):]}rows": ("spectrain", p)
-               for p in sorted(work.glob("e3fp32_rows*")) if p.is_dir()},
-            **{f"speculators_{p.name[len('spec_rows'):]}rows": ("speculators", p)
-               for p in sorted(work.glob("spec_rows*")) if p.is_dir()}}
+            **{f"{head}{p.name[len(run):]}rows": (kind, p) for run, (kind, head) in SCALE_RUNS.items()
+               for p in sorted(work.glob(f"{run}*")) if p.is_dir()}}
     rows = []
     for name, (kind, path) in runs.items():
         r = summarize(path) if kind == "spectrain" else speculators_run(path)
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                     "SmolLM2-135M-Instruct; decoded by spectrain's lossless decoder (chain k=3, 48 new tokens, seed 0)",
             "command": "bash scripts/smollm2_quality_study.sh && python -m scripts.studies.smollm2_quality_tables --work "
                        "runs/study16; at scale (the *_2000rows heads): ROWS=2000 SCALE_STEPS=238 THREADS=2 "
-                       "W=runs/study31 STAGES='rows specdata specrows e3rows e3rowslr e3rowsfp32 evalrows evalrowslr evalrowsfp32 table' bash "
+                       "W=runs/study31 STAGES='rows specdata specrows e3rows e3rowslr e3rowsfp32 e3rowsnorm evalrows evalrowslr evalrowsfp32 evalrowsnorm table' bash "
                        "scripts/smollm2_quality_study.sh",
             "settings": "tau with 95% bootstrap intervals over prompts; paired tables: head - reference with the "
                         "paired 95% interval (prompts matched by id), then the mean and the lowest of the per-set "
