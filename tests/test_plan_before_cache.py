@@ -4,8 +4,11 @@ will need, and names the next stage instead of failing; a plain `check` still re
 
 from __future__ import annotations
 
+import json
+
 from test_evaluate import write_tiny_chat_world
 
+from spectrain.data import features
 from spectrain.train import check
 
 
@@ -26,3 +29,15 @@ def test_plan_prints_the_cache_it_will_need_and_the_next_stage(tmp_path, capsys)
 
     assert check.main(str(recipe), []) == 2  # without --plan: not ready to train, and it says what to run
     assert "write it with `spectrain prepare-features RECIPE`" in capsys.readouterr().err
+
+    assert features.main(str(recipe), []) == 0  # the cache written: check says what it holds
+    capsys.readouterr()
+    assert check.main(str(recipe), []) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("OK feature cache"))
+    assert "train " in line and "heldout " in line and "bf16 features of a float32 target" in line, line
+    manifest = tmp_path / "features" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["splits"]["train"]["complete"] = False  # as an interrupted prepare-features leaves it
+    manifest.write_text(json.dumps(m))
+    assert check.main(str(recipe), []) == 2
+    assert "unfinished 'train' split" in capsys.readouterr().err

@@ -11,6 +11,7 @@ stage (`spectrain prepare-features RECIPE`), so a fresh machine learns the cost 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -70,6 +71,26 @@ def _missing_cache(r: Recipe) -> str:
         return (f"training.features=offline but training.feature_cache={r.training.feature_cache!r} holds no "
                 "feature cache (manifest.json): write it with `spectrain prepare-features RECIPE`")
     return ""
+
+
+def _cache_line(r: Recipe) -> str:
+    """What the offline feature cache holds, per split (rows, tokens, growth segments), the numerics it was
+    written in and its size; refuses an unfinished split as training would ("" = no cache used or none yet)."""
+    mfile = Path(r.training.feature_cache) / "manifest.json"
+    if r.training.features != "offline" or not mfile.is_file():
+        return ""
+    m = json.loads(mfile.read_text())
+    parts = []
+    for name, s in sorted(m["splits"].items(), reverse=True):  # train, then heldout
+        if not s.get("complete"):
+            raise ValueError(f"feature cache {mfile.parent} has an unfinished {name!r} split ({s['rows']} rows): "
+                             f"finish it with `spectrain prepare-features RECIPE` (it resumes)")
+        grown = f", grown in {len(s['segments'])} segments {s['segments']}" if len(s.get("segments", [])) > 1 else ""
+        parts.append(f"{name} {s['rows']:,} rows ({s['tokens']:,} tokens{grown})")
+    size = sum(sh["bytes"] for s in m["splits"].values() for sh in s["shards"])
+    made = f"a {m['target_dtype']} target" if "target_dtype" in m else "a target of unrecorded dtype"
+    return (f"feature cache {mfile.parent}: {', '.join(parts)}; {m['dtype']} features of {made} (the recipe's "
+            f"target.dtype: {r.target.dtype}), {size / 2**20:,.0f} MiB")
 
 
 def _check_data(r: Recipe, tok) -> list[str]:
@@ -144,7 +165,7 @@ def main(recipe_path: str, overrides: list[str], plan: str | None = None, mfu: f
         missing = _missing_cache(r)
         if missing and plan is None:
             raise ValueError(missing)
-        data_lines = _check_data(r, tok)
+        data_lines = _check_data(r, tok) + [line for line in [_cache_line(r)] if line]
         plan_lines = _plan(r, cfg, tok, plan, mfu) if plan is not None else []
     except (ValueError, OSError) as e:
         return _fail(str(e))
