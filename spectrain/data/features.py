@@ -117,9 +117,8 @@ def _segments(out: Path, split: str, prev: dict | None, rows, dh: str) -> list[i
             == prev["data_hash"]:
         return [*have, len(rows) - prev["rows"]]  # appended rows: a new segment
     raise ValueError(f"the {split} data changed since {out} was written (data hash {prev['data_hash']} -> {dh}; "
-                     f"a cache grows only when the new rows follow its {prev['rows']} rows unchanged"
-                     f"{'' if prev.get('complete') else ' and it is complete'}); choose another "
-                     f"training.feature_cache or delete {out}")
+                     f"a finished cache grows only when the new rows follow its {prev['rows']} rows unchanged); "
+                     f"choose another training.feature_cache or delete {out}")
 
 
 def _pad_id(target) -> int:
@@ -225,9 +224,9 @@ def write_feature_cache(target, splits: dict, out_dir, aux_layers: list[int], dt
     mpath = out / "manifest.json"
     old = json.loads(mpath.read_text()) if mpath.is_file() else None
     if old is not None:
-        diff = {k: (old.get(k), v) for k, v in header.items() if old.get(k) != v
-                and not (k == "target_fingerprint" and same_target(old.get(k), target))  # a v1 value still matches
-                and not (k == "target_dtype" and k not in old)}  # written before the field: not known
+        # a field an older cache did not record (target_dtype) is not known, so not compared; a v1 fingerprint still matches
+        diff = {k: (old[k], v) for k, v in header.items() if k in old and old[k] != v
+                and not (k == "target_fingerprint" and same_target(old[k], target))}
         if diff:
             raise ValueError(f"{out} already holds a feature cache written with other settings "
                              f"(field: (cache, now) = {diff}); choose another training.feature_cache or delete {out}")

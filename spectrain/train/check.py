@@ -165,7 +165,8 @@ def main(recipe_path: str, overrides: list[str], plan: str | None = None, mfu: f
         missing = _missing_cache(r)
         if missing and plan is None:
             raise ValueError(missing)
-        data_lines = _check_data(r, tok) + [line for line in [_cache_line(r)] if line]
+        cache = _cache_line(r)
+        data_lines = _check_data(r, tok) + ([cache] if cache else [])
         plan_lines = _plan(r, cfg, tok, plan, mfu) if plan is not None else []
     except (ValueError, OSError) as e:
         return _fail(str(e))
