@@ -191,3 +191,8 @@ def test_a_finished_cache_grows_with_appended_rows_and_keeps_its_shards(target, 
     bf16.model.to(torch.bfloat16)
     with pytest.raises(ValueError, match="target_dtype"):  # features of two numerics never mix in one cache
         write_feature_cache(bf16, {"train": make_rows(20)}, tmp_path, head.aux_layers, "fp32", **kw)
+    legacy = json.loads((one_go / "manifest.json").read_text())
+    del legacy["target_dtype"]  # as written before the field existed
+    (one_go / "manifest.json").write_text(json.dumps(legacy))
+    m, _ = write_feature_cache(bf16, {"train": make_rows(20)}, one_go, head.aux_layers, "fp32", **kw)
+    assert "target_dtype" not in m  # grown by a bf16 target: the older rows' dtype stays unknown, not mislabelled

@@ -24,7 +24,8 @@ A finished cache grows with its data: when a split's rows are the cached rows fo
 regenerated data appended to ``data.train_files``), only the new rows are computed; each such growth is a
 ``segments`` entry of the split, sharded on its own so the earlier shards keep their bounds. The manifest
 records the dtype the target computed in (``target_dtype``), and a cache is never grown or finished by a
-target computing in another dtype (its features would mix two numerics).
+target computing in another dtype (its features would mix two numerics); a cache written before that field
+keeps it unrecorded when it grows, since its earlier features' dtype is not known.
 """
 
 from __future__ import annotations
@@ -231,6 +232,8 @@ def write_feature_cache(target, splits: dict, out_dir, aux_layers: list[int], dt
             raise ValueError(f"{out} already holds a feature cache written with other settings "
                              f"(field: (cache, now) = {diff}); choose another training.feature_cache or delete {out}")
     manifest = {**header, "splits": dict(old["splits"]) if old else {}}
+    if old is not None and "target_dtype" not in old:
+        del manifest["target_dtype"]  # its features came from a target of unknown dtype: stamping ours would mislabel them
     budget = max(1, int(shard_mb * 2**20 / header["bytes_per_token"]))
     stats = {"written": 0, "skipped": 0}
     for split, rows in splits.items():
