@@ -153,7 +153,8 @@ def smollm2_label(drafter: str) -> str:
     rows, _, epochs = fam.removeprefix("rows").partition("-e")  # runs/data-scaling/rows5000[-e2]/best
     if fam.startswith("rows") and rows.isdigit() and (not epochs or epochs.isdigit()):
         return f"EAGLE-3 ({int(rows):,} rows" + (f", {epochs} epochs)" if epochs else ")")
-    return {"eagle3": "EAGLE-3", "medusa": "Medusa", "draft": "draft model"}.get(fam, drafter)
+    return {"eagle3": "EAGLE-3", "eagle3-pool": "EAGLE-3 (12,121 rows)", "medusa": "Medusa",
+            "draft": "draft model"}.get(fam, drafter)
 
 
 def greedy_cell(r: dict) -> str:
@@ -194,7 +195,7 @@ def smollm2(data: dict) -> str:
 
 
 def smollm2_headline(data: dict) -> str:
-    """The README's SmolLM2 table: each drafter at k = 1 (T = 0 and 1), plus EAGLE-3's tree at T = 0."""
+    """The first SmolLM2 study's headline: each drafter at k = 1 (T = 0 and 1), plus EAGLE-3's tree at T = 0."""
     return smollm2_rows(data, lambda d, c: c.startswith(("k=1 ", "plain ")) or
                         (smollm2_label(d) == "EAGLE-3" and c.startswith("tree") and c.endswith("T=0")))
 
@@ -272,6 +273,8 @@ TABLES: dict[str, tuple[str, object]] = {
     "smollm2_head_bf16": ("eval/reference/smollm2_head_bf16_report.json", smollm2_dtype),
     "smollm2_head_bf16_cost_curve": ("eval/reference/smollm2_head_bf16_report.json", smollm2_curve),
     "smollm2_tree_bf16": ("eval/reference/smollm2_tree_bf16_report.json", smollm2_dtype),
+    "smollm2_pool_bf16": ("eval/reference/smollm2_pool_bf16_report.json", smollm2_dtype),
+    "smollm2_pool_bf16_cost_curve": ("eval/reference/smollm2_pool_bf16_report.json", smollm2_curve),
     "smollm2_e2_bf16": ("eval/reference/smollm2_e2_bf16_report.json", smollm2_dtype),
     "smollm2_families_bf16": ("eval/reference/smollm2_families_bf16_report.json", smollm2_dtype),
     "smollm2_families_bf16_cost_curve": ("eval/reference/smollm2_families_bf16_report.json", smollm2_curve),

@@ -84,12 +84,16 @@ print((m['train']['rows'] + 0.5) / (m['train']['rows'] + m['heldout']['rows']))"
 }
 if has spec; then for r in ${SPEC_RUNS:-spec_default:1e-3 spec_lr2e-3:2e-3}; do spec "${r%%:*}" "${r#*:}"; done; fi
 if has specrows; then spec "spec_rows$ROWS" 1e-3 "$SCALE_STEPS"; fi
+# "The recipe as it is" of the stored 2,000-row runs: its optimizer then (the recipe moved to lr 1e-3, betas
+# 0.9 / 0.999 when it grew to the whole pool); the first 2,000 rows and their cached features are the same
+E3_MEASURED=(training.lr=2.0e-3 "training.adam_betas=[0.9,0.95]")
 e3rows() {  # $1: run dir under $W, then overrides: the recipe on the same first N rows, $SCALE_STEPS steps
   local run=$1; shift
   [ -d "$W/$run/best" ] && return
   stage "spectrain $run"
   python -m spectrain train smollm2-135m/eagle3 data.max_rows="$ROWS" training.max_steps="$SCALE_STEPS" \
-    training.checkpoint_every=50 training.resume_from=auto output_dir="$W/$run" "$@" > "$W/$run.log" 2>&1
+    training.checkpoint_every=50 training.resume_from=auto output_dir="$W/$run" "${E3_MEASURED[@]}" "$@" \
+    > "$W/$run.log" 2>&1
   done_in "spectrain $run"
 }
 if has e3rows; then e3rows "e3_rows$ROWS"; fi  # the recipe as it is

@@ -22,11 +22,13 @@ def test_plans_one_run_per_size_and_resumes_or_skips(tmp_path, monkeypatch):
     for d in (done / "best", done / "last", part / "last"):
         d.mkdir(parents=True)
     (done / "metrics.jsonl").write_text(json.dumps({"event": "end", "wall_s": 5}) + "\n")
-    ds.main(["--work", str(tmp_path), "--sizes", "600,1500,3000", "--epochs", "2", "--stage", "train"])
+    ds.main(["--work", str(tmp_path), "--sizes", "600,1500,3000", "--epochs", "2", "--stage", "train",
+             "--set", "training.lr=2e-3", "training.adam_betas=[0.9,0.95]"])
     assert len(cmds) == 2  # 600 finished: skipped
     assert "data.max_rows=1500" in cmds[0] and "training.resume_from=auto" in cmds[0]
     assert "data.max_rows=3000" in cmds[1] and "training.resume_from=auto" not in cmds[1]
     assert all("training.epochs=2" in c and "training.max_steps=0" in c for c in cmds)
+    assert all("training.lr=2e-3" in c and "training.adam_betas=[0.9,0.95]" in c for c in cmds)  # --set, every size
 
 
 def test_eval_decodes_every_size_and_ngram_then_tabulates(tmp_path, monkeypatch):

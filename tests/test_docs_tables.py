@@ -127,6 +127,7 @@ def test_smollm2_labels_name_the_data_scaling_runs():
     assert smollm2_label("runs/data-scaling/rows5000/best") == "EAGLE-3 (5,000 rows)"
     assert smollm2_label("runs/data-scaling/rows5000-e2/best") == "EAGLE-3 (5,000 rows, 2 epochs)"
     assert smollm2_label("runs/smollm2-medusa/best") == "Medusa"
+    assert smollm2_label("runs/smollm2-eagle3-pool/best") == "EAGLE-3 (12,121 rows)"
     assert smollm2_label("runs/x/rows-big/best") == "runs/x/rows-big/best"  # not a study run: the path itself
 
 

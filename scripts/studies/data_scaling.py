@@ -42,7 +42,7 @@ def train(a) -> None:
             continue
         ov = [f"data.max_rows={n}", "training.max_steps=0", f"training.epochs={a.epochs}", f"output_dir={out}",
               "tracking.report_to=jsonl", f"training.eval_every={a.eval_every}",
-              *(["training.resume_from=auto"] if (out / "last").is_dir() else [])]
+              *a.set, *(["training.resume_from=auto"] if (out / "last").is_dir() else [])]
         sh([sys.executable, "-m", "spectrain", "train", a.recipe, *ov], a.work / "logs" / f"train_rows{n}.log",
            a.threads)
 
@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, required=True, help="study directory (runs, eval, logs, table)")
     ap.add_argument("--recipe", default=RECIPE)
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="recipe overrides for every size's training (e.g. the settings a stored curve was measured at)")
     ap.add_argument("--sizes", default="600,1500,3000,5000", help="comma list of N (first N rows of the data)")
     ap.add_argument("--epochs", type=int, default=1, help="epochs per size (steps = epochs x train rows // batch)")
     ap.add_argument("--eval-every", type=int, default=100, help="training held-out eval cadence (steps)")
