@@ -3,6 +3,7 @@
     python scripts/engine_tables.py runs/engine-study    # -> eval/reference/engine_smollm2.json
     python scripts/engine_tables.py runs/engine-study-s14 engine_scale   # -> eval/reference/engine_scale.json
     python scripts/engine_tables.py runs/engine-draft engine_draft       # -> eval/reference/engine_draft.json
+    python scripts/engine_tables.py runs/engine-pool engine_pool         # -> eval/reference/engine_pool.json
     python scripts/gen_tables.py                         # renders the tables into docs/engine.md
 
 Reads OUT/engine/report.json (spectrain eval --engine llama.cpp, with --conform-to OUT/own/report.json) and keeps
