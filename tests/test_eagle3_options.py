@@ -3,6 +3,10 @@ rules, sequence packing (equal to padded rows, no cross-document attention), Ada
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import make_tiny_target
@@ -152,6 +156,40 @@ def test_recipe_keys_betas_threads_packing(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECTRAIN_NUM_THREADS", "many")
     with pytest.raises(ValueError, match="SPECTRAIN_NUM_THREADS"):
         resolve_num_threads(0)
+
+
+FAULTS_AFTER_ALLOC_FREE = """
+import resource, sys, torch
+if sys.argv[1] == "keep":
+    from spectrain.train.distributed import keep_freed_memory
+    assert keep_freed_memory()
+torch.empty(64 << 20, dtype=torch.uint8).fill_(1)  # the first allocation faults in either case
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(8):
+    torch.empty(64 << 20, dtype=torch.uint8).fill_(1)  # 64 MiB, over glibc's largest mmap threshold
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator")
+def test_training_keeps_freed_memory_instead_of_faulting_it_in_again(monkeypatch):
+    """A training process reuses freed vocabulary-sized buffers: allocating and freeing 64 MiB eight times
+    page-faults every time under glibc's defaults and about once after keep_freed_memory();
+    $SPECTRAIN_MALLOC=system leaves the defaults alone."""
+
+    def faults(mode):
+        out = subprocess.run([sys.executable, "-c", FAULTS_AFTER_ALLOC_FREE, mode], capture_output=True, text=True,
+                             check=True, env={**os.environ, "SPECTRAIN_MALLOC": ""})
+        return int(out.stdout.split()[-1])
+
+    page_faults_per_round = (64 << 20) // 4096
+    default, kept = faults("default"), faults("keep")
+    assert default >= 6 * page_faults_per_round, default  # every round faults its pages in again
+    assert kept <= 2 * page_faults_per_round, (kept, default)  # the heap grows once, then reuses
+    from spectrain.train.distributed import keep_freed_memory
+
+    monkeypatch.setenv("SPECTRAIN_MALLOC", "system")
+    assert keep_freed_memory() is False
 
 
 def test_betas_reach_adamw(target):

@@ -3,8 +3,10 @@ and the frozen target placed to match it (one device, an HF device map, or ZeRO-
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -61,6 +63,26 @@ def resolve_num_threads(requested: int = 0) -> int:
     except AttributeError:  # macOS / Windows: no affinity API
         cores = os.cpu_count() or 1
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+# glibc mallopt parameters (malloc.h) and the largest value mallopt accepts (an int).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, MALLOPT_MAX = -1, -3, 2**31 - 1
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed memory for reuse instead of handing it back to the kernel. Its default serves every
+    allocation over 32 MiB with a fresh mmap and unmaps it on free, and a CPU training step allocates and frees
+    several vocabulary-wide logit tensors (B x T x V floats, hundreds of MiB): every step then page-faults and
+    zeroes them anew, and the kernel time halved draft-model training on a 2-core CPU (docs/training.md). GPU
+    allocators cache the same way. A no-op off glibc (macOS, musl) or with $SPECTRAIN_MALLOC=system; returns
+    whether it took effect."""
+    if sys.platform != "linux" or os.environ.get("SPECTRAIN_MALLOC", "").strip() == "system":
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return all(mallopt(opt, ctypes.c_int(MALLOPT_MAX)) == 1 for opt in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD))
 
 
 # A real JIT build of DeepSpeed's CPU ops takes seconds to a minute or two; a lock this old was left by a killed build.

@@ -18,6 +18,7 @@ from spectrain.data.features import _pad_id
 from spectrain.targets.model import gathered
 from spectrain.train import on_policy
 from spectrain.train.distributed import (
+    keep_freed_memory,
     load_target_for,
     make_accelerator,
     resolve_num_threads,
@@ -94,6 +95,7 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
     acc = make_accelerator(recipe)
     if acc.device.type == "cpu":
         torch.set_flush_denormal(True)  # tiny Adam/grad values as denormals make CPU kernels crawl
+        keep_freed_memory()  # vocabulary-wide logits re-faulted from the kernel every step otherwise
     set_seed(t.seed)
     if target is None:
         target = load_target_for(recipe, acc)
