@@ -275,6 +275,8 @@ TABLES: dict[str, tuple[str, object]] = {
     "smollm2_tree_bf16": ("eval/reference/smollm2_tree_bf16_report.json", smollm2_dtype),
     "smollm2_pool_bf16": ("eval/reference/smollm2_pool_bf16_report.json", smollm2_dtype),
     "smollm2_pool_bf16_cost_curve": ("eval/reference/smollm2_pool_bf16_report.json", smollm2_curve),
+    "smollm2_pool_fp32": ("eval/reference/smollm2_pool_fp32_report.json", smollm2_dtype),
+    "smollm2_pool_fp32_cost_curve": ("eval/reference/smollm2_pool_fp32_report.json", smollm2_curve),
     "smollm2_e2_bf16": ("eval/reference/smollm2_e2_bf16_report.json", smollm2_dtype),
     "smollm2_families_bf16": ("eval/reference/smollm2_families_bf16_report.json", smollm2_dtype),
     "smollm2_families_bf16_cost_curve": ("eval/reference/smollm2_families_bf16_report.json", smollm2_curve),
