@@ -173,13 +173,13 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator")
 def test_training_keeps_freed_memory_instead_of_faulting_it_in_again(monkeypatch):
-    """A training process reuses freed vocabulary-sized buffers: allocating and freeing 64 MiB eight times
-    page-faults every time under glibc's defaults and about once after keep_freed_memory();
-    $SPECTRAIN_MALLOC=system leaves the defaults alone."""
+    """With $SPECTRAIN_MALLOC=keep a training process reuses freed vocabulary-sized buffers: allocating and freeing
+    64 MiB eight times page-faults every time under glibc's defaults and about once after keep_freed_memory();
+    unset (the default), it leaves glibc's defaults alone."""
 
     def faults(mode):
         out = subprocess.run([sys.executable, "-c", FAULTS_AFTER_ALLOC_FREE, mode], capture_output=True, text=True,
-                             check=True, env={**os.environ, "SPECTRAIN_MALLOC": ""})
+                             check=True, env={**os.environ, "SPECTRAIN_MALLOC": "keep"})
         return int(out.stdout.split()[-1])
 
     page_faults_per_round = (64 << 20) // 4096
@@ -188,8 +188,9 @@ def test_training_keeps_freed_memory_instead_of_faulting_it_in_again(monkeypatch
     assert kept <= 2 * page_faults_per_round, (kept, default)  # the heap grows once, then reuses
     from spectrain.train.distributed import keep_freed_memory
 
-    monkeypatch.setenv("SPECTRAIN_MALLOC", "system")
-    assert keep_freed_memory() is False
+    for unset in ("", "system"):  # opt-in: glibc's defaults unless asked
+        monkeypatch.setenv("SPECTRAIN_MALLOC", unset)
+        assert keep_freed_memory() is False
 
 
 def test_betas_reach_adamw(target):

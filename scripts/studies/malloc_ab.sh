@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # A/B of training's allocator setting (keep_freed_memory, docs/training.md) on the SmolLM2 draft recipe over
-# the pool: 40 steps each, glibc's defaults (SPECTRAIN_MALLOC=system) then spectrain's; peak anonymous RSS
+# the pool: 40 steps each, glibc's defaults then SPECTRAIN_MALLOC=keep; peak anonymous RSS
 # sampled every second. Needs the pool feature cache (recipes/smollm2-135m/eagle3.yaml's header); ~6 min.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=2 SPECTRAIN_NUM_THREADS=2 HF_HUB_OFFLINE=1
 for mode in system kept; do
   rm -rf ${TMPDIR:-/tmp}/ab-$mode
-  if [ $mode = system ]; then export SPECTRAIN_MALLOC=system; else unset SPECTRAIN_MALLOC; fi
+  if [ $mode = system ]; then unset SPECTRAIN_MALLOC; else export SPECTRAIN_MALLOC=keep; fi
   python -m spectrain train smollm2-135m/draft training.precision=bf16 \
     training.max_steps=40 training.checkpoint_every=1000 training.eval_every=1000 output_dir=${TMPDIR:-/tmp}/ab-$mode > ${TMPDIR:-/tmp}/ab-$mode.log 2>&1 &
   pid=$!; peak=0

@@ -70,13 +70,14 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, MALLOPT_MAX = -1, -3, 2**31 - 1
 
 
 def keep_freed_memory() -> bool:
-    """Make glibc keep freed memory for reuse instead of handing it back to the kernel. Its default serves every
-    allocation over 32 MiB with a fresh mmap and unmaps it on free, and a CPU training step allocates and frees
-    several vocabulary-wide logit tensors (B x T x V floats, hundreds of MiB): every step then page-faults and
-    zeroes them anew, and the kernel time halved draft-model training on a 2-core CPU (docs/training.md). GPU
-    allocators cache the same way. A no-op off glibc (macOS, musl) or with $SPECTRAIN_MALLOC=system; returns
-    whether it took effect."""
-    if sys.platform != "linux" or os.environ.get("SPECTRAIN_MALLOC", "").strip() == "system":
+    """With $SPECTRAIN_MALLOC=keep, make glibc keep freed memory for reuse instead of handing it back to the kernel.
+    Its default serves every allocation over 32 MiB with a fresh mmap and unmaps it on free, and a CPU training step
+    allocates and frees several vocabulary-wide logit tensors (B x T x V floats, hundreds of MiB): every step then
+    page-faults and zeroes them anew, which halved draft-model training speed on a 2-core CPU (docs/training.md).
+    Opt-in because the heap fragments over varying sequence lengths: resident memory about doubled, and kept
+    growing in a Medusa run (19 GB).
+    A no-op off glibc (macOS, musl); returns whether it took effect."""
+    if sys.platform != "linux" or os.environ.get("SPECTRAIN_MALLOC", "").strip() != "keep":
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt

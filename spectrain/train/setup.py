@@ -95,7 +95,7 @@ def setup(recipe, target=None, train_rows=None, heldout_rows=None) -> Run:
     acc = make_accelerator(recipe)
     if acc.device.type == "cpu":
         torch.set_flush_denormal(True)  # tiny Adam/grad values as denormals make CPU kernels crawl
-        keep_freed_memory()  # vocabulary-wide logits re-faulted from the kernel every step otherwise
+        keep_freed_memory()  # $SPECTRAIN_MALLOC=keep: reuse freed logit buffers instead of re-faulting them
     set_seed(t.seed)
     if target is None:
         target = load_target_for(recipe, acc)
