@@ -108,3 +108,65 @@ def test_accept_equals_one_minus_overlap_and_tvd():
     want = (1 - torch.minimum(p, q).sum(-1)).mean()
     assert get_loss("accept")(s, t).item() == pytest.approx(want.item(), rel=1e-6)
     assert get_loss("tvd")(s, t).item() == pytest.approx(want.item(), rel=1e-5)  # 1 - sum min = TVD
+
+
+def _projection_case(n=11, h=6, v=13, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden, weight = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    teacher, labels = torch.randn(n, v, generator=g) * 2, torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, teacher, labels
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES) + ["hard_ce"])
+def test_blocked_head_loss_matches_the_whole_logits_in_value_gradient_and_metrics(name, monkeypatch):
+    """head_loss never builds [N, V] logits; in 4-row blocks (11 rows: a short last block) it gives the loss,
+    the gradients w.r.t. hidden and weight, top-1 agreement and overlap of the plain computation."""
+    from spectrain.drafters import losses
+
+    monkeypatch.setattr(losses, "BLOCK_BYTES", 4 * 13 * 4)  # 4 rows of 13 fp32 logits
+    hidden, weight, teacher, labels = _projection_case()
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logits = h1 @ w1.T
+    ref = drafter_loss(name, logits, teacher, labels)
+    (2.5 * ref).backward()  # a scaled loss (gradient accumulation) scales both gradients
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    calls = []
+
+    def teacher_fn(s, e):
+        calls.append((s, e))
+        return teacher[s:e]
+
+    loss, top1, ov = losses.head_loss(name, h2, w2, teacher_fn, labels)
+    (2.5 * loss).backward()
+    assert calls == ([(0, 11)] if name == "lk" else [(0, 4), (4, 8), (8, 11)])
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w2.grad, w1.grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(top1, logits.argmax(-1) == teacher.argmax(-1))
+    torch.testing.assert_close(ov, losses.overlap(logits.detach(), teacher))
+
+
+def test_blocked_head_loss_under_bf16_autocast_follows_autograd_and_handles_no_rows():
+    """Under CPU bf16 autocast the projection runs in bf16 as nn.Linear's would, so the gradients agree with
+    autograd's to bf16 precision; with no rows the loss is 0 with a graph (zero gradients), not NaN."""
+    from spectrain.drafters.losses import head_loss
+
+    hidden, weight, teacher, _ = _projection_case(n=40, h=16, v=64)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = drafter_loss("fkl", torch.nn.functional.linear(h1, w1), teacher, None)
+        loss, _, _ = head_loss("fkl", h2, w2, lambda s, e: teacher[s:e])
+    ref.backward()
+    loss.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-3)
+    torch.testing.assert_close(h2.grad, h1.grad, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(w2.grad, w1.grad, rtol=2e-2, atol=2e-3)
+
+    empty = hidden[:0].clone().requires_grad_()
+    loss, top1, ov = head_loss("fkl", empty, weight, lambda s, e: teacher[s:e])
+    loss.backward()
+    assert loss.item() == 0.0 and top1.numel() == 0 and ov.numel() == 0
+    assert empty.grad.shape == (0, 16)
+    with pytest.raises(ValueError, match="unknown loss 'kl'"):
+        head_loss("kl", hidden, weight, lambda s, e: teacher[s:e])

@@ -124,6 +124,75 @@ def get_loss(name: str):
     return LOSSES[name]
 
 
+# ---- a vocabulary projection and its loss, in row blocks ---------------------------------------------
+# A head's step on CPU is dominated by its [N, V] logits. Built whole, the loss keeps several [N, V] fp32
+# tensors alive until backward (logits, both log-softmaxes, their product) and allocates them anew every
+# step: at V = 49152 each is hundreds of MB, which glibc maps fresh and the kernel faults in page by page.
+# Blocks of rows whose [rows, V] fp32 slice stays under BLOCK_BYTES (below glibc's 32 MiB mmap ceiling)
+# are reused from the heap; the loss's gradient w.r.t. the logits is taken per block, inside the forward,
+# and only it is kept (one [N, V] tensor in the matmul dtype), so backward is two matmuls.
+BLOCK_BYTES = 16 << 20
+
+
+def block_rows(vocab: int) -> int:
+    """Rows per block for a vocabulary of ``vocab`` entries (at least 1)."""
+    return max(1, BLOCK_BYTES // (4 * vocab))
+
+
+class _BlockedHeadLoss(torch.autograd.Function):
+    """loss(name, hidden @ weight.T, teacher) over row blocks; also returns each row's top-1 agreement with
+    the teacher and its T=1 overlap sum min(p, q) (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, name, teacher_fn, labels, rows):
+        dev = hidden.device.type
+        # the dtype autocast would give the projection, so the gradients match autograd's own
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+        h, w = hidden.detach().to(dt), weight.detach().to(dt)
+        n = h.shape[0]
+        grad = torch.empty(n, w.shape[0], dtype=dt, device=h.device)
+        total = torch.zeros((), device=h.device)
+        match = torch.zeros(n, dtype=torch.bool, device=h.device)
+        ov = torch.zeros(n, device=h.device)
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+            student = (h[s:e] @ w.T).float().requires_grad_()
+            teacher = teacher_fn(s, e)
+            with torch.enable_grad():  # the whole loss is a mean over rows: each block adds its share
+                part = drafter_loss(name, student, teacher, None if labels is None else labels[s:e]) * ((e - s) / n)
+            grad[s:e] = torch.autograd.grad(part, student)[0]
+            total += part.detach()
+            with torch.no_grad():
+                match[s:e] = student.argmax(-1) == teacher.argmax(-1)
+                ov[s:e] = overlap(student, teacher)
+        ctx.save_for_backward(h, w, grad)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        ctx.mark_non_differentiable(match, ov)
+        return total, match, ov
+
+    @staticmethod
+    def backward(ctx, g, _match, _ov):
+        h, w, grad = ctx.saved_tensors
+        gh = gw = None
+        if ctx.needs_input_grad[0]:
+            gh = ((grad @ w).float() * g).to(ctx.dtypes[0])
+        if ctx.needs_input_grad[1]:
+            gw = ((grad.T @ h).float() * g).to(ctx.dtypes[1])
+        return gh, gw, None, None, None, None
+
+
+def head_loss(name: str, hidden: torch.Tensor, weight: torch.Tensor, teacher_fn, labels=None):
+    """``drafter.loss`` of the projection ``hidden [N, H] @ weight [V, H].T`` against the teacher, without
+    materialising the [N, V] logits: ``teacher_fn(start, end)`` gives the teacher's fp32 logits of rows
+    start:end; ``labels`` [N] for ``hard_ce``. Returns (mean loss over the N rows (0 with a graph when N = 0),
+    top-1 agreement [N] bool, overlap sum min(p, q) [N]). ``lk`` runs as one block: its lambda is a mean
+    over all rows."""
+    if name != "hard_ce":
+        get_loss(name)  # an unknown name fails here, naming the known ones
+    rows = hidden.shape[0] if name == "lk" else block_rows(weight.shape[0])
+    return _BlockedHeadLoss.apply(hidden, weight, name, teacher_fn, labels, max(rows, 1))
+
+
 def sim_tau(acc: list[float]) -> float:
     """1 + sum_i prod_{j<=i} acc_j: the greedy, teacher-forced PROXY of tokens per target pass, from the
     per-position top-1 agreements a drafter family reports as ``acc_i`` (the loop pools them the same way)."""

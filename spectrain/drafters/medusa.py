@@ -30,7 +30,7 @@ from torch import nn
 
 from spectrain.decoding.interface import DraftContext, Drafter, Proposal
 from spectrain.drafters.head_io import WEIGHTS_NAME, check_state, read_head_config, save_head
-from spectrain.drafters.losses import drafter_loss, overlap, sim_tau
+from spectrain.drafters.losses import head_loss, sim_tau
 from spectrain.drafters.step_metrics import StepMetrics
 from spectrain.registry import FeatureSpec
 from spectrain.targets.fingerprint import target_fingerprint
@@ -114,21 +114,25 @@ class MedusaHeads(nn.Module):
             n_anchor = max(t - 2 - i, 0)
             mask = lm[:, 2 + i:] & am[:, :n_anchor]  # [B, T-2-i] over anchors t
             rb, rt = mask.nonzero(as_tuple=True)
-            logits = self.head_logits(i, fh[rb, rt])
-            with torch.no_grad():
-                teacher = target.lm_head(fh[rb, rt + 1 + i].to(target.dtype)).float()
-            # an all-true mask: the masked mean gives 0 (with a graph), not NaN, when there are no rows
-            ones = torch.ones(rb.numel(), dtype=torch.bool, device=ids.device)
-            li = drafter_loss(name, logits, teacher, ids[rb, rt + 2 + i], ones)  # hard_ce: Medusa-1 data labels
+            lm_head = self.lm_heads[i]
+            hidden = self.blocks[i](fh[rb, rt].to(lm_head.weight.dtype))
+            teacher_hidden = fh[rb, rt + 1 + i].to(target.dtype)
+
+            def teacher(s, e, th=teacher_hidden):  # the teacher's logits, one row block at a time
+                with torch.no_grad():
+                    return target.lm_head(th[s:e]).float()
+
+            # hard_ce: Medusa-1's data labels; the [N, V] logits are never built whole (losses.head_loss)
+            li, top1, s_t1_rows = head_loss(name, hidden, lm_head.weight, teacher, ids[rb, rt + 2 + i])
             total = total + li
             with torch.no_grad():
                 correct = torch.zeros_like(am)
-                correct[rb, rt] = logits.argmax(-1) == teacher.argmax(-1)
+                correct[rb, rt] = top1
                 sup = torch.zeros_like(am)
                 sup[:, :n_anchor] = mask
                 # T=1 acceptance proxy of head i: sum_v min(p, q) over the full vocabulary
                 s_t1 = torch.zeros(am.shape, device=ids.device)
-                s_t1[rb, rt] = overlap(logits, teacher)
+                s_t1[rb, rt] = s_t1_rows
                 acc, metrics[f"cond_acc_{i}"], metrics[f"acc_t1_{i}"], n = chain.step(i, correct, sup, s_t1, sup)
             metrics[f"loss_{i}"], metrics[f"acc_{i}"] = float(li.detach()), acc
             if i == 0:
