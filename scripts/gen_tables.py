@@ -154,6 +154,7 @@ def smollm2_label(drafter: str) -> str:
     if fam.startswith("rows") and rows.isdigit() and (not epochs or epochs.isdigit()):
         return f"EAGLE-3 ({int(rows):,} rows" + (f", {epochs} epochs)" if epochs else ")")
     return {"eagle3": "EAGLE-3", "eagle3-pool": "EAGLE-3 (12,121 rows)", "medusa": "Medusa",
+            "medusa-pool": "Medusa (12,121 rows)",
             "draft": "draft model", "draft-pool": "draft model (12,121 rows)"}.get(fam, drafter)
 
 
@@ -278,6 +279,7 @@ TABLES: dict[str, tuple[str, object]] = {
     "smollm2_pool_fp32": ("eval/reference/smollm2_pool_fp32_report.json", smollm2_dtype),
     "smollm2_pool_fp32_cost_curve": ("eval/reference/smollm2_pool_fp32_report.json", smollm2_curve),
     "smollm2_draft_pool_bf16": ("eval/reference/smollm2_draft_pool_bf16_report.json", smollm2_dtype),
+    "smollm2_medusa_pool_bf16": ("eval/reference/smollm2_medusa_pool_bf16_report.json", smollm2_dtype),
     "smollm2_e2_bf16": ("eval/reference/smollm2_e2_bf16_report.json", smollm2_dtype),
     "smollm2_families_bf16": ("eval/reference/smollm2_families_bf16_report.json", smollm2_dtype),
     "smollm2_families_bf16_cost_curve": ("eval/reference/smollm2_families_bf16_report.json", smollm2_curve),
