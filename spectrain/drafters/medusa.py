@@ -89,10 +89,13 @@ class MedusaHeads(nn.Module):
         return FeatureSpec(final_hidden=True)
 
     # ---- forward -----------------------------------------------------------------------------
+    def head_hidden(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Head i's ResBlocks on target final hidden rows [..., H] (in the drafter weights' dtype)."""
+        return self.blocks[i](hidden.to(self.lm_heads[i].weight.dtype))
+
     def head_logits(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
         """Head i on target final hidden rows [..., H] -> logits [..., V] (fp32 drafter weights)."""
-        x = hidden.to(self.lm_heads[i].weight.dtype)
-        return self.lm_heads[i](self.blocks[i](x))
+        return self.lm_heads[i](self.head_hidden(i, hidden))
 
     def forward(self, hidden: torch.Tensor, n: int | None = None) -> torch.Tensor:
         """The first n heads (default all) on [..., H] -> [n, ..., V]."""
@@ -114,8 +117,7 @@ class MedusaHeads(nn.Module):
             n_anchor = max(t - 2 - i, 0)
             mask = lm[:, 2 + i:] & am[:, :n_anchor]  # [B, T-2-i] over anchors t
             rb, rt = mask.nonzero(as_tuple=True)
-            lm_head = self.lm_heads[i]
-            hidden = self.blocks[i](fh[rb, rt].to(lm_head.weight.dtype))
+            hidden = self.head_hidden(i, fh[rb, rt])
             teacher_hidden = fh[rb, rt + 1 + i].to(target.dtype)
 
             def teacher(s, e, th=teacher_hidden):  # the teacher's logits, one row block at a time
@@ -123,7 +125,7 @@ class MedusaHeads(nn.Module):
                     return target.lm_head(th[s:e]).float()
 
             # hard_ce: Medusa-1's data labels; the [N, V] logits are never built whole (losses.head_loss)
-            li, top1, s_t1_rows = head_loss(name, hidden, lm_head.weight, teacher, ids[rb, rt + 2 + i])
+            li, top1, s_t1_rows = head_loss(name, hidden, self.lm_heads[i].weight, teacher, ids[rb, rt + 2 + i])
             total = total + li
             with torch.no_grad():
                 correct = torch.zeros_like(am)
