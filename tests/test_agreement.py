@@ -69,3 +69,32 @@ def test_files_without_temperatures_need_all_and_bad_input_is_named(regen, capsy
     assert "missing.jsonl: no such file" in capsys.readouterr().err
     assert cli_main(["agreement", str(regen["recipe"]), str(plain), "--n", "0"]) != 0
     assert "--n 0: must be > 0" in capsys.readouterr().err
+
+
+def test_out_never_replaces_an_input_a_checkpoint_a_runs_records_or_writes_through_a_link(tmp_path, capsys):
+    """--out is checked before the target loads: each refusal is one line and leaves every file as it was."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    regen_file = tmp_path / "regen.jsonl"
+    regen_file.write_text(data.read_text())
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"target: {{name_or_path: {REF}}}\ndata: {{train_files: [{data}]}}\n")
+    (tmp_path / "hardlink.jsonl").hardlink_to(regen_file)
+    run = tmp_path / "run"
+    (run / "best").mkdir(parents=True)
+    (run / "run_info.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "best" / "drafter_config.json").write_text("{}")
+    (run / "best" / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "link.json").symlink_to(tmp_path / "mine.json")
+    (tmp_path / "mine.json").write_text("a user's file")
+    before = {p: (p.readlink() if p.is_symlink() else p.read_bytes()) for p in tmp_path.rglob("*") if not p.is_dir()}
+    for out, why in ((regen_file, "is the regenerated file"), (tmp_path / "hardlink.jsonl", "is the regenerated file"),
+                     (recipe, "is the recipe"), (data, "is the data file"),
+                     (run / "best" / "model.safetensors", "a checkpoint directory"),
+                     (run / "metrics.jsonl", "own metrics.jsonl"), (tmp_path / "link.json", "is a symbolic link")):
+        assert cli_main(["agreement", str(recipe), str(regen_file), "--all", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0], (out, err)
+    assert before == {p: (p.readlink() if p.is_symlink() else p.read_bytes()) for p in tmp_path.rglob("*")
+                      if not p.is_dir()}

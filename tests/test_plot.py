@@ -5,6 +5,7 @@ eval/sim_tau_proxy), and one-line errors for what is not a run. Nothing is train
 from __future__ import annotations
 
 import json
+import os
 
 from spectrain import cli
 
@@ -70,3 +71,35 @@ def test_a_run_cut_mid_line_still_plots(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 40, "lo')  # the last line, cut by a stop mid-write
     assert cli.main(["plot", str(tmp_path)]) == 0
+
+
+def _snapshot(root) -> dict:
+    return {str(p.relative_to(root)): (p.readlink() if p.is_symlink() else p.read_bytes() if p.is_file() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+def test_plot_out_never_replaces_a_checkpoint_the_runs_records_or_writes_through_a_link(tmp_path, capsys):
+    run = tmp_path / "run"
+    write_metrics(run, a_run())
+    (run / "run_info.json").write_text("{}")
+    (run / "best").mkdir()
+    (run / "best" / "drafter_config.json").write_text("{}")
+    (run / "best" / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "mine.png").write_bytes(b"a user's file")
+    (tmp_path / "link.png").symlink_to(tmp_path / "mine.png")
+    before = _snapshot(tmp_path)
+    for out, why in ((run / "best" / "model.safetensors", "a checkpoint directory"),
+                     (run / "best" / "new.png", "a checkpoint directory"),
+                     (run / "metrics.jsonl", "is the metrics file"), (run / "run_info.json", "own run_info.json"),
+                     (tmp_path / "link.png", "is a symbolic link"), (run, "is a directory")):
+        assert cli.main(["plot", str(run), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0], (out, err)
+    (run / f".train_curve.png.tmp{os.getpid()}.png").symlink_to(tmp_path / "mine.png")  # a link at the temp name
+    assert cli.main(["plot", str(run)]) == 2
+    assert "is a symbolic link" in capsys.readouterr().err
+    (run / f".train_curve.png.tmp{os.getpid()}.png").unlink()
+    assert _snapshot(tmp_path) == before  # nothing written, nothing followed
+    for _ in range(2):  # a rerun replaces its own PNG
+        assert cli.main(["plot", str(run)]) == 0
+    assert (run / "train_curve.png").read_bytes()[:8] == PNG_MAGIC

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
 
 from spectrain.data.chat import SkipReport, _raw_rows, normalize_row
 from spectrain.data.generate import _prompt_ids
+from spectrain.io.outputs import check_file_placement, write_text_safe
+from spectrain.io.resources import resolve_recipe
 from spectrain.recipe.load import load_recipe
 from spectrain.targets.model import load_target
 
@@ -105,18 +108,28 @@ def add_agreement_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def place_summary(out: str, file: str, recipe_arg: str, recipe) -> Path:
+    """--out checked before the target loads (spectrain/io/outputs.py): never the file read, the recipe or its data,
+    a checkpoint's file, a run's own records, nor through a link; a rerun replaces its own summary."""
+    out = Path(out)
+    inputs = [("regenerated file", file), ("recipe", resolve_recipe(recipe_arg)[0]),
+              *(("data file", f) for f in recipe.data.train_files), ("target", recipe.target.name_or_path)]
+    return check_file_placement(out, inputs, [out.with_name(f".{out.name}.tmp{os.getpid()}")], replace=True)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.n <= 0:
         raise ValueError(f"--n {args.n}: must be > 0")
     if not Path(args.file).is_file():
         raise FileNotFoundError(f"{args.file}: no such file (a `spectrain regenerate --out` file)")
     recipe = load_recipe(args.recipe, args.overrides)
+    out = place_summary(args.out, args.file, args.recipe, recipe) if args.out else None
     rows = greedy_rows(args.file, args.all, args.n)
     t = recipe.target
     target = load_target(t.name_or_path, gguf_file=t.gguf_file, dtype=t.dtype, trust_remote_code=t.trust_remote_code)
     s = summarize([row_agreement(target, r, recipe.data.chat_template_kwargs) for r in rows])
     s.update(file=str(args.file), target=t.name_or_path, dtype=str(target.dtype).removeprefix("torch."))
     print("\n".join(lines(s)))
-    if args.out:
-        Path(args.out).write_text(json.dumps(s, indent=1) + "\n")
+    if out is not None:
+        write_text_safe(out, json.dumps(s, indent=1) + "\n")  # temp + rename: a link at --out is never followed
     return 0

@@ -1,7 +1,8 @@
 """Output directories that are safe to point anywhere: checked before any work, written into a temp
 sibling, swapped in atomically (``--force`` replaces, never mixes), readable by other users.
 
-Used by checkpoints (``best/``, ``init/``), ``spectrain eval --out`` and ``spectrain export --out``.
+Used by checkpoints (``best/``, ``init/``), ``spectrain eval --out`` and ``spectrain export --out``; the
+one-file outputs (``regenerate --out``, ``plot --out``, ``agreement --out``) by ``check_file_placement``.
 
 Placement rules (``check_placement``, run by every writing command before it touches anything): never
 ``/``, the home directory or one of its ancestors; never an input (target, drafter, source, data) nor a
@@ -105,11 +106,11 @@ def append_text_safe(path, text: str) -> None:
 
 
 _MODE_FLAGS = {"a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-               "r+b": os.O_RDWR}
+               "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "r+b": os.O_RDWR}
 
 
 def open_nofollow(path, mode: str = "a", encoding: str | None = "utf-8"):
-    """``open(path, mode)`` for mode "a", "w" or "r+b" that refuses a symlink at ``path`` instead of writing
+    """``open(path, mode)`` for mode "a", "w", "wb" or "r+b" that refuses a symlink at ``path`` instead of writing
     through it (a link planted at a temp name between the placement check and the write)."""
     fd = _open_nofollow(Path(path), _MODE_FLAGS[mode])
     return os.fdopen(fd, mode, encoding=None if "b" in mode else encoding)
@@ -252,15 +253,19 @@ def check_placement(out, kind: str, inputs: Iterable = (), *, force: bool = Fals
     return real
 
 
-def check_file_placement(out, inputs: Iterable = (), temps: Iterable = (), option: str = "--out") -> Path:
-    """The rules for a command whose output is one file (regenerate): not an existing path, not inside the
-    target's directory, no symlink at it or at its temp names (they would be written through)."""
+def check_file_placement(out, inputs: Iterable = (), temps: Iterable = (), option: str = "--out",
+                         replace: bool = False) -> Path:
+    """The rules for a command whose output is one file: no symlink at it or at its temp names (they would be
+    written through), not inside the target's directory, a checkpoint, an export or a feature cache. Without
+    ``replace`` (regenerate) an existing path is refused; with it (a plot's PNG, a summary JSON: small files a
+    rerun rewrites) an existing file is replaced unless it is an input of the command or a run's / eval's own
+    record (``OWN_FILES``)."""
     out = Path(str(out)).expanduser()
     for p in (out, *map(Path, temps)):
         if p.is_symlink():
             raise FileExistsError(f"{option} {out}: {p} is a symbolic link (to {os.readlink(p)}): spectrain never "
                                   "writes through a link; remove it or choose another path")
-    if out.exists():
+    if out.exists() and not replace:
         raise FileExistsError(f"{option} {out} already exists; delete it or choose another path")
     real = out.resolve()
     for role, path in inputs:
@@ -268,7 +273,36 @@ def check_file_placement(out, inputs: Iterable = (), temps: Iterable = (), optio
         if src is not None and src.is_dir() and src in real.parents and role == "target":
             raise ValueError(f"{option} {out} is inside the target model directory {path}: keep outputs out of "
                              "the model's files; choose a path elsewhere")
+    if replace:
+        _refuse_replacing(out, real, inputs, option)
     return out
+
+
+# A run's or an eval's own records: a one-file output never replaces them (the run would lose its history).
+OWN_FILES = ("metrics.jsonl", "run_info.json", "recipe.yaml", "report.json", "report.md", "SHA256SUMS", MARKER,
+             LOCK, JOURNAL)
+
+
+def _refuse_replacing(out: Path, real: Path, inputs: Iterable, option: str) -> None:
+    """``check_file_placement(replace=True)``: what an existing (or new) file at ``out`` must not be."""
+    if real.is_dir():
+        raise IsADirectoryError(f"{option} {out} is a directory: give a file path")
+    if not real.parent.is_dir():
+        raise FileNotFoundError(f"{option} {out}: the folder {real.parent} does not exist; create it or choose "
+                                "another path")
+    for role, path in inputs:
+        src = _local(path)
+        if src is not None and src.is_file() and real.exists() and os.path.samefile(src, real):  # also hard links
+            raise ValueError(f"{option} {out} is the {role} {path} this command reads: writing there would destroy "
+                             "it; choose another path")
+    refuse_inside_run(real, option)  # a checkpoint's weights and manifest
+    kind = kind_of(real.parent)
+    if kind in ("export", "features"):  # sealed by a manifest: a file added or replaced breaks it
+        raise ValueError(f"{option} {out} is inside {real.parent}, a spectrain {KIND_NAMES[kind]}: writing there "
+                         "would break it; choose a path elsewhere")
+    if kind is not None and real.name in OWN_FILES:
+        raise ValueError(f"{option} {out} is the {KIND_NAMES[kind]}'s own {real.name}: replacing it would lose "
+                         "that record; choose another file name")
 
 
 def resolve_out(out, force: bool, option: str = "--out", kind: str = "eval", inputs: Iterable = ()) -> Path:

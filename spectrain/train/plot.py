@@ -14,6 +14,8 @@ import os
 import re
 from pathlib import Path
 
+from spectrain.io.outputs import check_file_placement, open_nofollow
+
 WINDOW = 20
 PNG = "train_curve.png"
 
@@ -60,14 +62,20 @@ def read_curves(run_dir) -> tuple[list[dict], list[dict]]:
     return train, evals
 
 
+def place_png(run_dir, out=None) -> tuple[Path, Path]:
+    """The PNG's path and its temp name, checked before anything is drawn (spectrain/io/outputs.py): a rerun
+    replaces its own PNG, never a checkpoint's file, the run's own records, the metrics.jsonl it reads, and
+    never through a link."""
+    out = Path(out) if out else Path(run_dir) / PNG
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}.png")
+    check_file_placement(out, [("metrics file", Path(run_dir) / "metrics.jsonl")], [tmp], replace=True)
+    return out, tmp
+
+
 def plot_run(run_dir, out=None) -> Path:
     """Draw the run's curves into ``out`` (default RUN/train_curve.png); returns the PNG's path."""
     train, evals = read_curves(run_dir)
-    out = Path(out) if out else Path(run_dir) / PNG
-    if out.is_symlink():
-        raise FileExistsError(f"--out {out} is a symbolic link: spectrain never writes through a link")
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"--out {out}: the folder {out.parent} does not exist")
+    out, tmp = place_png(run_dir, out)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,9 +107,9 @@ def plot_run(run_dir, out=None) -> Path:
     for ax in (ax0, ax1, ax2):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}.png")
     try:
-        fig.savefig(tmp, dpi=110)
+        with open_nofollow(tmp, "wb") as f:  # a link planted at the temp name after the check is refused
+            fig.savefig(f, dpi=110, format="png")
         os.replace(tmp, out)  # never a half-written PNG at the final name
     finally:
         plt.close(fig)
