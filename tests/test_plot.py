@@ -103,3 +103,25 @@ def test_plot_out_never_replaces_a_checkpoint_the_runs_records_or_writes_through
     for _ in range(2):  # a rerun replaces its own PNG
         assert cli.main(["plot", str(run)]) == 0
     assert (run / "train_curve.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_nan_steps_and_null_steps_are_left_out_and_said_or_refused_when_nothing_remains(tmp_path, capsys):
+    rows = a_run()
+    for r in rows:
+        if r.get("step") in (5, 6) and "loss" in r:  # steps skipped for a non-finite loss log NaN
+            r.update(loss=float("nan"), sim_tau=float("nan"), skipped=1)
+        if r.get("split") and r["step"] == 20:
+            r["step"] = None
+    write_metrics(tmp_path / "run", rows)
+    assert cli.main(["plot", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("note: 7 of 87 points of "), err
+    assert "4 with a NaN" in err[0] and "3 with a null or non-numeric step" in err[0]
+    assert (tmp_path / "run" / "train_curve.png").read_bytes()[:8] == PNG_MAGIC
+
+    nothing = [{"step": s, "loss": float("nan"), "sim_tau": float("nan")} for s in range(1, 4)]
+    write_metrics(tmp_path / "diverged", nothing + [{"step": None, "eval/sim_tau_proxy": 1.5}])
+    assert cli.main(["plot", str(tmp_path / "diverged")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nothing to plot: all 7 points are unusable" in err[0], err
+    assert not (tmp_path / "diverged" / "train_curve.png").exists()

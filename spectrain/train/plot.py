@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
+import sys
+from collections import Counter
 from pathlib import Path
 
 from spectrain.io.outputs import check_file_placement, open_nofollow
@@ -72,37 +75,82 @@ def place_png(run_dir, out=None) -> tuple[Path, Path]:
     return out, tmp
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def curves(train: list[dict], evals: list[dict]) -> tuple[dict[str, list[tuple]], Counter]:
+    """Every curve's (step, value) points and the points left out, counted by reason. A point is drawn only when
+    its step and value are finite numbers: a NaN-skipped step logs a NaN loss (it would blank a moving average over
+    the next steps) and a null step has no place on the axis. An absent or null value was not measured (a position
+    never verified): no point, nothing to report."""
+    # eval/acc_0, eval/acc_1, ... (not eval/acc_t1_i, the T=1 proxy)
+    positions = sorted({int(k.rsplit("_", 1)[1]) for r in evals for k in r if re.fullmatch(r"eval/acc_\d+", k)})
+    wanted = [("loss", train), ("sim_tau", train), ("eval/sim_tau_proxy", evals),
+              *((f"eval/acc_{i}", evals) for i in positions)]
+    pts, skipped = {}, Counter()
+    for key, recs in wanted:
+        pts[key] = []
+        for r in recs:
+            step, v = r.get("step"), r.get(key)
+            if v is None:
+                continue
+            if not _number(step):
+                skipped["with a null or non-numeric step"] += 1
+            elif not _number(v):
+                skipped["with a NaN, infinite or non-numeric value (e.g. a step skipped for a non-finite loss)"] += 1
+            else:
+                pts[key].append((step, v))
+    return pts, skipped
+
+
+def usable_curves(run_dir) -> dict[str, list[tuple]]:
+    """The run's points; says in one line how many were left out and why, or refuses when none is left."""
+    pts, skipped = curves(*read_curves(run_dir))
+    if not skipped:
+        return pts
+    drawn, bad = sum(map(len, pts.values())), sum(skipped.values())
+    why = ", ".join(f"{n} {reason}" for reason, n in skipped.items())
+    path = Path(run_dir) / "metrics.jsonl"
+    if not drawn:
+        raise ValueError(f"{path}: nothing to plot: all {bad} points are unusable ({why}); check the run's "
+                         "training log for non-finite losses, or repair its metrics.jsonl")
+    print(f"note: {bad} of {bad + drawn} points of {path} not drawn: {why}", file=sys.stderr)
+    return pts
+
+
 def plot_run(run_dir, out=None) -> Path:
     """Draw the run's curves into ``out`` (default RUN/train_curve.png); returns the PNG's path."""
-    train, evals = read_curves(run_dir)
+    pts = usable_curves(run_dir)
     out, tmp = place_png(run_dir, out)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def xy(key: str) -> tuple[list, list]:
+        return [s for s, _ in pts[key]], [v for _, v in pts[key]]
+
     fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(15, 4))
-    if train:  # the training batches' own numbers: noisy, so a moving average is drawn over them
-        xs = [r["step"] for r in train]
-        ax0.plot(xs, [r["loss"] for r in train], color="gray", alpha=0.35, lw=0.8, label="per step")
-        ax0.plot(xs, smooth([r["loss"] for r in train]), color="black", label=f"moving average ({WINDOW})")
-        ax2.plot(xs, smooth([r["sim_tau"] for r in train]), color="gray",
-                 label=f"training batches, moving average ({WINDOW})")
+    if pts["loss"]:  # the training batches' own numbers: noisy, so a moving average is drawn over them
+        xs, ys = xy("loss")
+        ax0.plot(xs, ys, color="gray", alpha=0.35, lw=0.8, label="per step")
+        ax0.plot(xs, smooth(ys), color="black", label=f"moving average ({WINDOW})")
         ax0.legend(fontsize=8)
+    if pts["sim_tau"]:
+        xs, ys = xy("sim_tau")
+        ax2.plot(xs, smooth(ys), color="gray", label=f"training batches, moving average ({WINDOW})")
     ax0.set(xlabel="optimizer step", ylabel="training loss (as the recipe's loss defines it)", title="training loss")
-    # eval/acc_0, eval/acc_1, ... (not eval/acc_t1_i, the T=1 proxy); a position missing from a record is skipped
-    positions = sorted({int(k.rsplit("_", 1)[1]) for r in evals for k in r if re.fullmatch(r"eval/acc_\d+", k)})
-    for i in positions:
-        pts = [(r["step"], r[f"eval/acc_{i}"]) for r in evals if r.get(f"eval/acc_{i}") is not None]
-        ax1.plot([s for s, _ in pts], [v for _, v in pts], marker="o", label=f"position {i}")
+    positions = [k for k in pts if k.startswith("eval/acc_") and pts[k]]
+    for key in positions:
+        ax1.plot(*xy(key), marker="o", label=f"position {key.rsplit('_', 1)[1]}")
     ax1.set(xlabel="optimizer step", ylabel="held-out top-1 acc (teacher-forced)", title="held-out acc_i per position")
     if positions:
         ax1.legend(fontsize=8)
-    pts = [(r["step"], r["eval/sim_tau_proxy"]) for r in evals if r["eval/sim_tau_proxy"] is not None]
-    if pts:
-        ax2.plot([s for s, _ in pts], [v for _, v in pts], marker="o", color="black", label="held-out")
+    if pts["eval/sim_tau_proxy"]:
+        ax2.plot(*xy("eval/sim_tau_proxy"), marker="o", color="black", label="held-out")
     ax2.set(xlabel="optimizer step", ylabel="sim tau (proxy, incl. bonus)", title="simulated tau (greedy proxy)")
-    if train or pts:
+    if pts["sim_tau"] or pts["eval/sim_tau_proxy"]:
         ax2.legend(fontsize=8)
     for ax in (ax0, ax1, ax2):
         ax.grid(alpha=0.3)
