@@ -121,3 +121,51 @@ def test_crossover_from_a_batch_sweep_report(tmp_path, capsys):
     (tmp_path / "plain.json").write_text(json.dumps({"records": []}))
     assert cli.main(["crossover", "--report", str(tmp_path / "plain.json")]) == 2
     assert "has no batch_sweep" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--tau", "7", "--k", "5"], "tau 7.0 is impossible for k = 5"),
+    (["--tau", "0.5"], "tau 0.5 is impossible"),
+    (["--tau", "nan"], "tau nan is impossible"),
+    (["--tau", "inf"], "tau inf is impossible"),
+    (["--k", "0"], "k 0 must be an integer >= 1"),
+    (["--draft-vocab", "0"], "--draft-vocab 0: must be >= 1"),
+    (["--context", "-1"], "--context -1: must be >= 1"),
+    (["--topk", "0"], "--topk 0: must be >= 1"),
+    (["--tree-size", "-4"], "--tree-size -4: must be >= 0"),
+    (["--tree-size", "3", "--k", "5"], "a tree of depth k has at least k nodes"),
+    (["--gpu-bandwidth", "0"], "--gpu-bandwidth must be > 0 and finite, got 0.0"),  # not the H100's own
+    (["--gpu-bandwidth", "-3350"], "--gpu-bandwidth must be > 0"),
+    (["--gpu-flops", "nan"], "--gpu-flops must be > 0 and finite"),
+])
+def test_crossover_refuses_impossible_settings_in_one_line(argv, msg, capsys):
+    from spectrain import cli
+
+    assert cli.main(["crossover", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert not out and len(err.strip().splitlines()) == 1 and msg in err, err
+
+
+def test_crossover_refuses_a_report_whose_tau_is_impossible_for_its_k(tmp_path, capsys):
+    import json
+
+    from spectrain import cli
+
+    for cell, msg in ((dict(tau=6.5, k=5), "batch_sweep.cells[1] (ngram k=5 T=0): tau 6.5 is impossible for k = 5"),
+                      (dict(tau=0.9, k=5), "tau 0.9 is impossible"), (dict(tau=None, k=5), "tau None is impossible"),
+                      (dict(tau=2.0, k=0), "k 0 must be an integer >= 1")):
+        cells = [dict(drafter="ngram", config="k=5 T=0", tau=2.0, k=5, tree=None, batch_size=1),
+                 dict(drafter="ngram", config="k=5 T=0", tree=None, batch_size=4, **cell)]
+        (tmp_path / "report.json").write_text(json.dumps({"batch_sweep": {"cells": cells}}))
+        assert cli.main(["crossover", "--report", str(tmp_path / "report.json")]) == 2
+        out, err = capsys.readouterr()
+        assert not out and len(err.strip().splitlines()) == 1 and msg in err and "re-run spectrain eval" in err, err
+    (tmp_path / "report.json").write_text("not json")
+    assert cli.main(["crossover", "--report", str(tmp_path / "report.json")]) == 2
+    assert "not a spectrain eval report.json" in capsys.readouterr().err
+
+
+def test_an_accelerator_peak_of_zero_is_refused_not_replaced_by_the_datasheet():
+    with pytest.raises(ValueError, match="must be finite and > 0"):
+        accelerator("H100", bandwidth=0.0)
+    assert accelerator("H100", flops=100e12).bandwidth == GPUS["H100"].bandwidth

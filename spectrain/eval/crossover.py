@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from spectrain import registry
@@ -55,21 +56,50 @@ def target_config(spec: str) -> dict:
     return json.loads(path.read_text())
 
 
+def check_tau(tau, k, where: str, fix: str) -> None:
+    """tau counts the bonus token and a pass emits at most k drafted tokens + 1: 1 <= tau <= k + 1 (k = the depth
+    for a tree); anything else (NaN, inf, 0.5, 9 at k = 5) is a typo or a damaged report, not a prediction."""
+    if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
+        raise ValueError(f"{where}: k {k!r} must be an integer >= 1 (the chain length / tree depth); {fix}")
+    number = isinstance(tau, (int, float)) and not isinstance(tau, bool)
+    if not (number and math.isfinite(tau) and 1 <= tau <= k + 1):
+        raise ValueError(f"{where}: tau {tau!r} is impossible for k = {k} (tau counts the bonus token: "
+                         f"1 <= tau <= k + 1 = {k + 1}); {fix}")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Sizes and peaks, before anything is computed: a zero or negative size has no meaning in the model."""
+    for opt, v, least in (("--draft-vocab", args.draft_vocab, 1), ("--context", args.context, 1),
+                          ("--topk", args.topk, 1), ("--tree-size", args.tree_size, 0)):
+        if v < least:
+            raise ValueError(f"{opt} {v}: must be >= {least}" + (" (0 = a chain)" if opt == "--tree-size" else ""))
+    roofline.check_peaks(args.gpu_bandwidth, args.gpu_flops)
+    if args.report is None:
+        check_tau(args.tau, args.k, f"--tau {args.tau} --k {args.k}", "give the measured tokens per verification "
+                  "pass, bonus included")
+        if 0 < args.tree_size < args.k:
+            raise ValueError(f"--tree-size {args.tree_size} --k {args.k}: a tree of depth k has at least k nodes; "
+                             "give --tree-size >= --k, or 0 for a chain")
+
+
 def settings(args: argparse.Namespace) -> list[dict]:
     """(label, tau, k, tree, drafter kind) per setting to predict."""
     if args.report is None:
-        if args.tau < 1 or args.k < 1:
-            raise ValueError(f"--tau {args.tau} --k {args.k}: tau counts the bonus token (>= 1) and k >= 1")
         tree = {"total_tokens": args.tree_size, "topk": args.topk} if args.tree_size else None
         return [dict(label="given", tau=args.tau, k=args.k, tree=tree, drafter=args.drafter)]
     path = Path(args.report)
     if not path.is_file():
         raise FileNotFoundError(f"--report {path}: no such file (a spectrain eval report.json)")
-    sweep = json.loads(path.read_text()).get("batch_sweep")
+    try:
+        sweep = json.loads(path.read_text()).get("batch_sweep")
+    except (ValueError, AttributeError):
+        raise ValueError(f"--report {path}: not a spectrain eval report.json (not a JSON object)") from None
     if not sweep:
         raise ValueError(f"--report {path} has no batch_sweep: run spectrain eval with --batch-size")
     out = {}
-    for c in sweep["cells"]:  # the smallest batch size comes first
+    for i, c in enumerate(sweep["cells"]):  # the smallest batch size comes first
+        check_tau(c.get("tau"), c.get("k"), f"--report {path}: batch_sweep.cells[{i}] ({c.get('drafter')} "
+                  f"{c.get('config')})", "the report is damaged or was edited: re-run spectrain eval --batch-size")
         kind = next((k for k in registry.TRAINING_FREE if c["drafter"].startswith(k)), args.drafter)
         out.setdefault((c["drafter"], c["config"]), dict(label=f"{c['drafter']} {c['config']}", tau=c["tau"],
                                                         k=c["k"], tree=c["tree"], drafter=kind))
@@ -77,9 +107,8 @@ def settings(args: argparse.Namespace) -> list[dict]:
 
 
 def main(args: argparse.Namespace) -> int:
-    custom = args.gpu is None and args.gpu_bandwidth and args.gpu_flops
-    acc = roofline.accelerator(None if custom else (args.gpu or "H100"), args.gpu_bandwidth and args.gpu_bandwidth * 1e9,
-                               args.gpu_flops and args.gpu_flops * 1e12)
+    check_args(args)
+    acc = roofline.deployment(args.gpu, args.gpu_bandwidth, args.gpu_flops)
     cfg = target_config(args.target)
     tc = roofline.target_cost(cfg)
     rows = settings(args)

@@ -23,6 +23,7 @@ no kernel launch, scheduling or Python overhead, peak bandwidth and FLOPs.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -46,6 +47,9 @@ GPUS = {
 
 def accelerator(name: str | None = None, bandwidth: float | None = None, flops: float | None = None) -> Accelerator:
     """A named GPU from ``GPUS``, with optional overrides; or a custom one from both numbers."""
+    if any(v is not None and not (math.isfinite(v) and v > 0) for v in (bandwidth, flops)):
+        raise ValueError(f"an accelerator's peaks must be finite and > 0, got bandwidth {bandwidth} B/s, "
+                         f"flops {flops} FLOP/s")
     if name is None:
         if bandwidth is None or flops is None:
             raise ValueError("give --gpu NAME (one of " + ", ".join(GPUS) + ") or both --gpu-bandwidth (GB/s) "
@@ -57,7 +61,25 @@ def accelerator(name: str | None = None, bandwidth: float | None = None, flops: 
                          "--gpu-bandwidth (GB/s) and --gpu-flops (dense TFLOP/s)")
     g = GPUS[key]
     return Accelerator(g.name if bandwidth is None and flops is None else f"{g.name} (overridden)",
-                       bandwidth or g.bandwidth, flops or g.flops)
+                       g.bandwidth if bandwidth is None else bandwidth, g.flops if flops is None else flops)
+
+
+def check_peaks(bandwidth_gbps: float | None, tflops: float | None) -> None:
+    """--gpu-bandwidth / --gpu-flops, when given, are finite and > 0: a 0 must not quietly mean "the --gpu's own"
+    (leaving the option out says that), and a negative or NaN peak makes every prediction meaningless."""
+    for opt, v, unit in (("--gpu-bandwidth", bandwidth_gbps, "GB/s"), ("--gpu-flops", tflops, "dense TFLOP/s")):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{opt} must be > 0 and finite, got {v}: give the accelerator's peak in {unit}, or leave "
+                             "the option out to use the --gpu's datasheet value")
+
+
+def deployment(gpu: str | None, bandwidth_gbps: float | None = None, tflops: float | None = None) -> Accelerator:
+    """The accelerator of the CLI's --gpu / --gpu-bandwidth (GB/s) / --gpu-flops (TFLOP/s): a named GPU (default
+    H100) with the peaks given overriding its own, or a custom one when both peaks are given without --gpu."""
+    check_peaks(bandwidth_gbps, tflops)
+    custom = gpu is None and bandwidth_gbps is not None and tflops is not None
+    return accelerator(None if custom else (gpu or "H100"), None if bandwidth_gbps is None else bandwidth_gbps * 1e9,
+                       None if tflops is None else tflops * 1e12)
 
 
 @dataclass(frozen=True)

@@ -43,16 +43,10 @@ def validate_sweep_args(args) -> None:
         raise ValueError(f"--sweep-repeats must be >= 1, got {args.sweep_repeats}")
     if bs is not None and any(b < 1 for b in bs):
         raise ValueError(f"--batch-size must be >= 1, got {bs}")
-    for name in ("gpu_bandwidth", "gpu_flops"):
-        v = getattr(args, name)
-        if v is not None and v <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+    roofline.check_peaks(args.gpu_bandwidth, args.gpu_flops)
     if bs:
         args.batch_size = sorted(set(bs))
-        custom = args.gpu is None and args.gpu_bandwidth and args.gpu_flops
-        args.deployment = roofline.accelerator(None if custom else (args.gpu or "H100"),
-                                               args.gpu_bandwidth and args.gpu_bandwidth * 1e9,
-                                               args.gpu_flops and args.gpu_flops * 1e12)
+        args.deployment = roofline.deployment(args.gpu, args.gpu_bandwidth, args.gpu_flops)
 
 
 def batch_sweep(target, drafters: dict, plan: dict, encoded: dict, args) -> dict:
