@@ -188,9 +188,54 @@ def test_training_keeps_freed_memory_instead_of_faulting_it_in_again(monkeypatch
     assert kept <= 2 * page_faults_per_round, (kept, default)  # the heap grows once, then reuses
     from spectrain.train.distributed import keep_freed_memory
 
-    for unset in ("", "system"):  # opt-in: glibc's defaults unless asked
-        monkeypatch.setenv("SPECTRAIN_MALLOC", unset)
-        assert keep_freed_memory() is False
+    monkeypatch.setenv("SPECTRAIN_MALLOC", "")  # opt-in: glibc's defaults unless asked (empty = unset)
+    assert keep_freed_memory() is False
+    monkeypatch.delenv("SPECTRAIN_MALLOC")
+    assert keep_freed_memory() is False
+
+
+def test_an_unknown_malloc_setting_is_refused_before_anything_is_written(monkeypatch, tmp_path, capsys):
+    """Only "keep" or unset / empty: a typo must not quietly train with the other allocator (twice the memory, or
+    half the speed). Refused by `train` (before the run directory is touched, before any process starts) and by
+    `check`, in one line naming the accepted values."""
+    from spectrain import cli
+    from spectrain.train import loop
+    from spectrain.train.distributed import keep_freed_memory
+
+    run = tmp_path / "run"
+    for bad in ("system", "Keep", "on", "1"):
+        monkeypatch.setenv("SPECTRAIN_MALLOC", bad)
+        with pytest.raises(ValueError, match=r"SPECTRAIN_MALLOC=.* use SPECTRAIN_MALLOC=keep .* unset / empty"):
+            keep_freed_memory()
+        r = Recipe()
+        r.output_dir = str(run)
+        with pytest.raises(ValueError, match="SPECTRAIN_MALLOC"):
+            loop.train(r)
+        assert cli.main(["train", "tiny/eagle3", f"output_dir={run}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"$SPECTRAIN_MALLOC='{bad}' is not a known setting" in err[0], err
+        assert not run.exists()
+    assert cli.main(["check", "tiny/eagle3", f"output_dir={run}"]) != 0
+    said = capsys.readouterr()
+    assert "FAILED: $SPECTRAIN_MALLOC='1' is not a known setting" in said.out + said.err
+    assert not run.exists()
+
+
+def test_the_run_records_the_allocator_setting_in_effect(monkeypatch, tmp_path):
+    import json
+
+    from spectrain.train import distributed
+    from spectrain.train.run_dir import write_run_info
+
+    for env, kept in (("keep", True), ("keep", False), (None, False)):  # keep asked, not applied: a GPU run
+        if env is None:
+            monkeypatch.delenv("SPECTRAIN_MALLOC", raising=False)
+        else:
+            monkeypatch.setenv("SPECTRAIN_MALLOC", env)
+        monkeypatch.setattr(distributed, "_malloc_kept", kept)
+        write_run_info(tmp_path, Recipe(), 1)
+        info = json.loads((tmp_path / "run_info.json").read_text())
+        assert info["malloc"] == {"SPECTRAIN_MALLOC": env, "keep_freed_memory": kept}
 
 
 def test_betas_reach_adamw(target):

@@ -24,7 +24,7 @@ from spectrain.recipe.load import load_recipe
 from spectrain.recipe.schema import Recipe
 from spectrain.targets.gguf import resolve_target_path, split_gguf
 from spectrain.targets.model import looks_local
-from spectrain.train.distributed import check_trackers, resolve_precision
+from spectrain.train.distributed import check_trackers, malloc_setting, resolve_precision
 from spectrain.train.plan import DEFAULT_MFU, GPUS, check_mfu, data_size, parse_hardware, plan_lines
 from spectrain.train.run_dir import check_run_dir
 
@@ -155,6 +155,7 @@ def main(recipe_path: str, overrides: list[str], plan: str | None = None, mfu: f
 
         resolve_precision(r.training.precision)  # the same checks `train` runs before it loads anything
         check_trackers(r)
+        malloc_setting()  # $SPECTRAIN_MALLOC: keep or unset
 
         check_run_dir(r)  # output_dir: never /, home, an input, a user's directory (spectrain/io/outputs.py)
         kind = r.drafter.kind

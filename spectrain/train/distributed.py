@@ -69,6 +69,25 @@ def resolve_num_threads(requested: int = 0) -> int:
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, MALLOPT_MAX = -1, -3, 2**31 - 1
 
 
+MALLOC_ENV = "SPECTRAIN_MALLOC"
+_malloc_kept = False  # mallopt changes the whole process: this mirrors it for the run's record (run_info.json)
+
+
+def malloc_setting() -> str:
+    """$SPECTRAIN_MALLOC: "keep", or "" (unset or empty: glibc's defaults). Anything else is refused, so that a
+    typo ("Keep", "on", "system") never silently runs with the other allocator behaviour."""
+    value = os.environ.get(MALLOC_ENV, "").strip()
+    if value not in ("", "keep"):
+        raise ValueError(f"${MALLOC_ENV}={value!r} is not a known setting: use {MALLOC_ENV}=keep (glibc keeps freed "
+                         "memory for reuse, docs/training.md) or leave it unset / empty for glibc's defaults")
+    return value
+
+
+def malloc_in_effect() -> dict:
+    """What run_info.json records: the variable as given and whether glibc keeps freed memory in this process."""
+    return {MALLOC_ENV: os.environ.get(MALLOC_ENV), "keep_freed_memory": _malloc_kept}
+
+
 def keep_freed_memory() -> bool:
     """With $SPECTRAIN_MALLOC=keep, make glibc keep freed memory for reuse instead of handing it back to the kernel.
     Its default serves every allocation over 32 MiB with a fresh mmap and unmaps it on free, and a CPU training step
@@ -77,13 +96,15 @@ def keep_freed_memory() -> bool:
     Opt-in because the heap fragments over varying sequence lengths: resident memory about doubled, and kept
     growing in a Medusa run (19 GB).
     A no-op off glibc (macOS, musl); returns whether it took effect."""
-    if sys.platform != "linux" or os.environ.get("SPECTRAIN_MALLOC", "").strip() != "keep":
+    global _malloc_kept
+    if malloc_setting() != "keep" or sys.platform != "linux":
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):  # not glibc
         return False
-    return all(mallopt(opt, ctypes.c_int(MALLOPT_MAX)) == 1 for opt in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD))
+    _malloc_kept = all(mallopt(opt, ctypes.c_int(MALLOPT_MAX)) == 1 for opt in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD))
+    return _malloc_kept
 
 
 # A real JIT build of DeepSpeed's CPU ops takes seconds to a minute or two; a lock this old was left by a killed build.

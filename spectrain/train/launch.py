@@ -40,6 +40,7 @@ from spectrain.data.chat import is_heldout, load_conversations
 from spectrain.io.resources import accelerate_configs, resolve_accelerate_config
 from spectrain.recipe.load import load_recipe
 from spectrain.train import loop
+from spectrain.train.distributed import malloc_setting
 from spectrain.train.plan import DEFAULT_MFU, data_size, estimate, gpu_from_device_name, parse_hardware
 
 LAUNCHED_ENV = "SPECTRAIN_LAUNCHED"
@@ -188,6 +189,7 @@ def train_command(args: argparse.Namespace) -> int:
             os.environ.setdefault("ACCELERATE_USE_CPU", "1")
         return loop.main(args.recipe, args.overrides)
     recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe fails here, before any process starts
+    malloc_setting()  # so does a mistyped $SPECTRAIN_MALLOC (every rank would refuse it)
     config = args.accelerate_config or recipe.launch.accelerate_config
     if config:
         _require_backend(config, _config_fields(resolve_accelerate_config(config)))

@@ -49,6 +49,7 @@ from spectrain.train.distributed import (  # noqa: F401  (make_accelerator, reso
     full_state_dict,
     is_sharded,
     make_accelerator,
+    malloc_setting,
     resolve_num_threads,
     resolve_precision,
 )
@@ -249,6 +250,7 @@ def train(recipe, target=None, train_rows=None, heldout_rows=None,
           on_step: Callable[[Run, dict], None] | None = None) -> dict:
     """Train `recipe`'s drafter; returns a summary. target/rows may be passed in (tests, notebooks).
     ``output_dir`` is checked and locked first (spectrain/io/outputs.py): nothing is written before."""
+    malloc_setting()  # a mistyped $SPECTRAIN_MALLOC is refused before the run directory is touched
     with run_dir.claim_run_dir(recipe):
         return _train(recipe, target, train_rows, heldout_rows, on_step)
 

@@ -25,6 +25,7 @@ from spectrain.io.outputs import (
     write_marker,
     write_text_safe,
 )
+from spectrain.train.distributed import malloc_in_effect
 from spectrain.train.tracking import init_trackers, log_record
 
 # Keys that change where/how often things are written or logged but not what is computed; a resume
@@ -107,7 +108,8 @@ def library_versions() -> dict[str, str]:
 
 
 def write_run_info(output_dir: Path, recipe, world_size: int, extra: dict | None = None) -> None:
-    """Main process only: the resolved recipe, command line, git SHA, world size, library versions."""
+    """Main process only: the resolved recipe, command line, git SHA, world size, library versions, the allocator
+    setting in effect."""
     output_dir.mkdir(parents=True, exist_ok=True)
     _atomic_write_text(output_dir / "recipe.yaml", recipe.to_yaml())  # a planted symlink is replaced, not followed
     info = {
@@ -116,6 +118,7 @@ def write_run_info(output_dir: Path, recipe, world_size: int, extra: dict | None
         "world_size": world_size,
         "recipe_hash": recipe_hash(recipe.to_dict()),
         "versions": library_versions(),
+        "malloc": malloc_in_effect(),  # $SPECTRAIN_MALLOC as given, and whether glibc keeps freed memory
         "host": platform.node(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **(extra or {}),
