@@ -33,10 +33,15 @@ def label(rec: dict) -> str:
     return LABELS[kind] + (f" ({weights})" if weights and weights != "f32" else "")
 
 
+def prediction(rec: dict) -> float | None:
+    """The cost curve's prediction: under its own key in reports written while it stood beside tau / (1 + k c)."""
+    return rec["predicted_speedup_cost_curve"] if "predicted_speedup_cost_curve" in rec else rec.get("predicted_speedup")
+
+
 def speed_table(records: list[dict]) -> dict:
     rows = []
     for r in records:
-        pred, meas = r.get("predicted_speedup_cost_curve"), r.get("measured_speedup")
+        pred, meas = prediction(r), r.get("measured_speedup")
         g = r.get("greedy_check")
         rows.append([label(r), r["k"], f"{r['temperature']:g}", r["prompt_set"], r["alpha"],
                      [r["tau"], *r["tau_ci"]] if r.get("tau_ci") else r["tau"], r["acceptance_rate"], r["c"],

@@ -6,7 +6,7 @@ import pytest
 
 from spectrain.engines.server import Completion
 from spectrain.eval import conformance
-from spectrain.eval.engine import _predict, _stats, resolve_drafter
+from spectrain.eval.engine import _predict, _stats, engine_markdown, one_prediction, resolve_drafter
 
 
 def _completion(**kw) -> Completion:
@@ -33,6 +33,21 @@ def test_prediction_uses_the_cost_curve_and_the_drafts_own_time():
     curve = {1: 0.010, 3: 0.014}
     assert _predict(rec, curve, 2) == pytest.approx(2.0 * 0.010 / (0.014 + 0.002))
     assert _predict(rec, curve, 5) is None  # no cost measured for t = 6
+
+
+def test_an_engine_record_has_one_prediction_the_cost_curves_and_its_column_says_so():
+    """The harness's tau / (1 + k c) (here 2 / 1.2 = 1.67x) is replaced by the curve's 1.25x, not shown beside it."""
+    rec = {"drafter": "exports/e3", "config": "k=2 T=0", "prompt_set": "mt_bench", "alpha": [0.7, 0.4], "tau": 2.0,
+           "c": 0.1, "target_passes": 10, "draft_time_s": 0.02, "predicted_speedup": 2.0 / 1.2,
+           "measured_speedup": 1.1}
+    one_prediction(rec, {1: 0.010, 3: 0.014}, 2)
+    assert rec["predicted_speedup"] == pytest.approx(1.25)
+    assert [key for key in rec if key.startswith("predicted_speedup")] == ["predicted_speedup"]
+    md = engine_markdown({"engine": "b1", "cost_curve": {"depth": 64, "seconds": {"1": 0.010, "3": 0.014}}}, [rec])
+    head, _, row = md.strip().splitlines()[-3:]
+    assert [c.strip() for c in head.split("|") if "predicted" in c] == ["predicted (measured cost curve)",
+                                                                        "measured / predicted"]
+    assert "| 1.25x | 1.10x | 0.88 |" in row and "1.67" not in md
 
 
 def _rec(alpha, ci, drafter="runs/x", k=2, t=0.0, s="mt_bench"):
