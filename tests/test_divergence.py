@@ -134,7 +134,7 @@ def test_bad_dtype_is_one_clear_line(capsys):
 
 def test_bf16_target_logits_come_from_an_fp32_head():
     model = make_tiny_model(hidden=64).to(torch.bfloat16)
-    t16 = FrozenTarget(model)
+    t16 = FrozenTarget(model, logits="fp32")  # the screened default: tests/test_screened_logits.py
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     out = t16.forward(ids, want_last_hidden=True)
     assert out.logits.dtype == torch.float32 and out.last_hidden.dtype == torch.bfloat16

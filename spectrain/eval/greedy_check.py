@@ -1,7 +1,8 @@
 """The T = 0 losslessness check of an eval run: every speculative output against the plain target's, per prompt.
 
 Where the two part, the plain target's top-2 logit margin at the first differing position is recomputed (one
-forward over prompt + plain output up to there, the logits the decoder would use: fp32 from a 16-bit target) and
+forward over prompt + plain output up to there, with the full fp32 head for a 16-bit target: the decoder's screened
+logits take the same argmax, spectrain/targets/logits.py) and
 judged by spectrain/eval/divergence.py: identical, near-tie (either token is the target's greedy choice within its
 rounding noise), or FAIL. A FAIL is a lossless-decoding bug: the report says so and `spectrain eval` exits 1.
 """
@@ -19,7 +20,7 @@ def top2_margin(target, prompt: list[int], plain: list[int], pos: int) -> tuple[
     if pos >= len(plain):  # the plain output ended there: nothing to compare with
         return None
     ids = torch.tensor([prompt + plain[:pos]], device=target.device)
-    top = target.forward(ids).logits[0, -1].float().topk(2).values
+    top = target.forward(ids, logits_mode="fp32").logits[0, -1].float().topk(2).values
     return float(top[0] - top[1]), divergence.logit_scale(float(top[0]), target.dtype)
 
 

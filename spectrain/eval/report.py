@@ -177,7 +177,9 @@ def _dtype_meta(target) -> dict | None:
     if choice is None:
         return None
     upcast = target.upcasts_logits() if hasattr(target, "upcasts_logits") else False
-    return {**choice.to_dict(), "logits": "fp32 (norm + lm_head upcast)" if upcast else str(target.dtype)[6:]}
+    shown = {"screened": "fp32 where they decide a token, else the 16-bit head (screened)",
+             "fp32": "fp32 (norm + lm_head upcast)"}
+    return {**choice.to_dict(), "logits": shown.get(target.logits_mode, "?") if upcast else str(target.dtype)[6:]}
 
 
 # ---- markdown ------------------------------------------------------------------------------------------------

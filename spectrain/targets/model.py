@@ -6,15 +6,13 @@ We never fork modelling code. Features come from forward hooks on the model's ow
   current transformers is already normed, so it cannot be used for that);
 - the final normed hidden state = a hook on the final norm's output.
 
-A 16-bit target's logits come from fp32 copies of the final norm and lm_head applied to the upcast pre-norm
-state (as serving engines compute them): bf16 logits of ~20-30 are spaced 0.125 apart, so near-ties become
-exact ties whose winner depends on the kernel path (one token per pass vs k + 1, a padded batch vs one row).
+A 16-bit target's logits are fp32 wherever they decide a token (the fp32 head's argmax, exactly) and the model's
+own 16-bit head elsewhere: spectrain/targets/logits.py says why and how.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import os
 from dataclasses import dataclass, field
@@ -27,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from spectrain.recipe.deploy import eagle_default_aux
 from spectrain.targets.auto_dtype import DtypeChoice, auto_cpu_dtype
 from spectrain.targets.gguf import gguf_info, resolve_target_path
+from spectrain.targets.logits import MODES, TargetHead
 
 DTYPES = {
     "float32": torch.float32,
@@ -62,7 +61,8 @@ class TargetOutput:
 class FrozenTarget:
     """A frozen, eval-mode HF causal LM with its tokenizer and hook-based feature taps."""
 
-    def __init__(self, model: nn.Module, tokenizer=None, name_or_path: str | None = None, fp32_logits: bool = True):
+    def __init__(self, model: nn.Module, tokenizer=None, name_or_path: str | None = None, fp32_logits: bool = True,
+                 logits: str = "screened"):
         model.eval()
         model.requires_grad_(False)
         self.model = model
@@ -78,8 +78,11 @@ class FrozenTarget:
         # transformers >= 5.2x renamed `past_key_values` to `cache`; accept both.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.fp32_logits = fp32_logits  # 16-bit targets: logits from an fp32 norm + lm_head (module doc)
-        self._head32: tuple[nn.Module, nn.Module] | None = None
+        if logits not in MODES:
+            raise ValueError(f"logits={logits!r}: use one of {', '.join(MODES)} (spectrain/targets/logits.py)")
+        self.fp32_logits = fp32_logits  # 16-bit targets: fp32 logits where they decide a token (module doc)
+        self.logits_mode = logits if fp32_logits else "native"
+        self._head: TargetHead | None = None
         self.dtype_choice = DtypeChoice(str(self.dtype).replace("torch.", ""), "as loaded")
 
     # ---- facts -------------------------------------------------------------------------------
@@ -142,15 +145,15 @@ class FrozenTarget:
 
     def upcasts_logits(self) -> bool:
         # ZeRO-3 shards cannot be copied whole; such targets keep their own head
-        return self.fp32_logits and self.dtype in (torch.bfloat16, torch.float16) and not hasattr(
+        return self.logits_mode != "native" and self.dtype in (torch.bfloat16, torch.float16) and not hasattr(
             self.lm_head.weight, "ds_shape")
 
-    def fp32_head_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits from the pre-norm last hidden state: fp32 copies (made once) of the norm and lm_head."""
-        if self._head32 is None:
-            self._head32 = (copy.deepcopy(self.norm).float(), copy.deepcopy(self.lm_head).float())
-        norm, head = self._head32
-        return head(norm(last_hidden.to(head.weight.device, torch.float32)))
+    def fp32_head_logits(self, last_hidden: torch.Tensor, mode: str | None = None) -> torch.Tensor:
+        """fp32 logits from the pre-norm last hidden state in ``mode`` (default: the target's ``logits_mode``;
+        "fp32": the full fp32 head, which the greedy check's margins use)."""
+        if self._head is None:
+            self._head = TargetHead(self.norm, self.lm_head)
+        return self._head.logits(last_hidden, mode or self.logits_mode)
 
     @torch.no_grad()
     def forward(
@@ -164,6 +167,7 @@ class FrozenTarget:
         want_final_hidden: bool = False,
         want_logits: bool = True,
         use_cache: bool | None = None,
+        logits_mode: str | None = None,
     ) -> TargetOutput:
         captured: dict = {}
         handles = []
@@ -189,7 +193,7 @@ class FrozenTarget:
             for h in handles:
                 h.remove()
         if upcast:  # after the taps are gone: the fp32 copies must not inherit them
-            logits = self.fp32_head_logits(captured["last"])
+            logits = self.fp32_head_logits(captured["last"], logits_mode)
         new_cache = getattr(out, self._cache_kw, None)
         dev = self.device  # with a device_map the taps sit on different GPUs; callers get one device
 
@@ -299,11 +303,13 @@ def load_target(
     gguf_file: str = "",
     fp32_logits: bool = True,
     verify_tokens: int = 6,
+    logits: str = "screened",
 ) -> FrozenTarget:
     """Load any HF causal LM (hub id or local dir) frozen, in eval mode, with its tokenizer. A GGUF file
     (a ``.gguf`` path, or a dir / hub repo plus ``gguf_file``) loads its cached dequantized checkpoint
-    (spectrain/targets/gguf.py), made on first use. ``fp32_logits``: a 16-bit target's logits from an fp32
-    norm + lm_head (module doc). ``verify_tokens``: the pass width (k + 1) that ``dtype="auto"`` times on a CPU.
+    (spectrain/targets/gguf.py), made on first use. ``logits`` (16-bit targets; spectrain/targets/logits.py):
+    "screened" = the fp32 head's argmax at the 16-bit head's cost, "fp32" = the full fp32 head, "native" = the
+    model's own 16-bit logits; ``fp32_logits=False`` is "native". ``verify_tokens``: the pass width (k + 1) that ``dtype="auto"`` times on a CPU.
     ``target.dtype_choice`` says which dtype was used and why."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -324,18 +330,21 @@ def load_target(
         ) from e
     if device_map is None:
         model.to(device)
-    choice = _dtype_choice(model, dtype, device, device_map, name_or_path, verify_tokens, fp32_logits)
+    if logits not in MODES:
+        raise ValueError(f"logits={logits!r}: use one of {', '.join(MODES)} (spectrain/targets/logits.py)")
+    logits = logits if fp32_logits else "native"
+    choice = _dtype_choice(model, dtype, device, device_map, name_or_path, verify_tokens, logits)
     if choice.torch_dtype != torch_dtype:  # `auto` measured bf16 faster on this CPU
         model.to(choice.torch_dtype)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    target = FrozenTarget(model, tokenizer, name_or_path=shown, fp32_logits=fp32_logits)
+    target = FrozenTarget(model, tokenizer, name_or_path=shown, logits=logits)
     target.dtype_choice = choice
     target.load_path = name_or_path  # what transformers loaded (the dequantized checkpoint for a GGUF)
     target.gguf = gguf_info(name_or_path) if Path(name_or_path).is_dir() else None
     return target
 
 
-def _dtype_choice(model, dtype, device, device_map, path: str, verify_tokens: int, fp32_logits: bool) -> DtypeChoice:
+def _dtype_choice(model, dtype, device, device_map, path: str, verify_tokens: int, logits: str) -> DtypeChoice:
     """Why the target runs in its dtype (eval reports print this)."""
     name = str(resolve_dtype(dtype, device)).replace("torch.", "")
     if dtype not in (None, "auto"):
@@ -345,6 +354,6 @@ def _dtype_choice(model, dtype, device, device_map, path: str, verify_tokens: in
     key = str(Path(path).resolve()) if Path(path).exists() else path
 
     def wrap(m):
-        return FrozenTarget(m, fp32_logits=fp32_logits)
+        return FrozenTarget(m, logits=logits)
 
-    return auto_cpu_dtype(model, wrap, key, verify_tokens)
+    return auto_cpu_dtype(model, wrap, f"{key}|logits={logits}", verify_tokens)  # the head's mode changes the timing
