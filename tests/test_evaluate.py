@@ -272,5 +272,6 @@ def test_drafter_none_runs_the_plain_baseline_only(workdir, tmp_path):
     assert cli_main(argv) == 0
     rep = json.loads((out / "report.json").read_text())
     assert rep["records"] == [] and 1 <= rep["meta"]["baselines"][0]["tokens"] <= 4
-    assert "## Plain-target baseline" in (out / "report.md").read_text()
+    assert [b["decoder"] for b in rep["meta"]["baselines"]] == ["spectrain plain loop", "HF generate plain"]
+    assert "## Plain decoders" in (out / "report.md").read_text()
 

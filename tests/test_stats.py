@@ -107,3 +107,29 @@ def test_speedup_above_tau_is_flagged_and_plot_labels_are_unique(capsys):
     labels = plot_labels(["runs/a/best", "runs/b/best", "ngram", "x/a/best", "y/a/best"])
     assert labels["runs/b/best"] == "b/best" and labels["ngram"] == "ngram"
     assert len(set(labels.values())) == 5 and labels["x/a/best"] == "x/a/best"
+
+
+def test_speedup_is_against_the_faster_plain_decoder_and_both_are_stated():
+    from spectrain.decoding.stats import DecodeStats
+    from spectrain.eval.harness import DecodeConfig
+    from spectrain.eval.prompts import PromptSet
+    from spectrain.eval.report import make_record, summary_table
+
+    per = [DecodeStats(k=2, attempts=[4, 2], accepts=[2, 1], drafted=8, target_passes=4, emitted=7)]
+    res = {"stats": DecodeStats.merge(per), "prompt_stats": per, "tokens": 7, "seconds": 1.0, "outputs": [[1] * 7],
+           "rep_seconds": [1.0, 1.2]}
+    own = {"tokens": 7, "seconds": 1.5, "outputs": [[1] * 7], "rep_seconds": [1.5, 1.5]}
+    hf = {"tokens": 7, "seconds": 1.2, "outputs": [[1] * 7], "rep_seconds": [1.2, 1.2]}
+    ps = PromptSet("p", "OOD", [[]], "t")
+    r = make_record("d", DecodeConfig(2, None, 0.0), ps, res, own, None, hf)
+    assert r["fastest_plain"] == "HF generate plain" and r["baseline_tokens_per_s"] == pytest.approx(7 / 1.2)
+    assert r["measured_speedup_vs_spectrain_plain"] == pytest.approx((1.5 / 1.0 + 1.5 / 1.2) / 2)
+    assert r["measured_speedup"] == r["measured_speedup_vs_hf_plain"] == pytest.approx((1.2 + 1.0) / 2)
+    assert r["measured_speedup_repeats"] == pytest.approx([1.2, 1.0])
+    assert "5.8 (HF)" in summary_table([r], {})
+    slow_hf = make_record("d", DecodeConfig(2, None, 0.0), ps, res, own, None, {**hf, "seconds": 3.0,
+                                                                                   "rep_seconds": [3.0, 3.0]})
+    assert slow_hf["fastest_plain"] == "spectrain plain loop"
+    assert slow_hf["measured_speedup"] == slow_hf["measured_speedup_vs_spectrain_plain"]
+    alone = make_record("d", DecodeConfig(2, None, 0.0), ps, res, own, None)  # --no-hf-plain
+    assert alone["fastest_plain"] == "spectrain plain loop" and "measured_speedup_vs_hf_plain" not in alone

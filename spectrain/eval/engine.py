@@ -229,7 +229,7 @@ def _records(args, cells, sets, encoded, drafters, curve) -> list[dict]:
                     cell, base = cells[(d.name, cfg.label, ps.name)], cells[("plain", f"T={temp:g}", ps.name)]
                     cell["prompt_stats"], cell["stats"] = cell["stats"], DecodeStats.merge(cell["stats"])
                     cell["prompt_ids"] = [prompt_id(ids) for ids in encoded[ps.name]]
-                    rec = report.make_record(d.name, cfg, ps, cell, base, None)
+                    rec = report.make_record(d.name, cfg, ps, cell, base, None, plain="engine")
                     rec["engine_spec_type"], rec["engine_gguf_type"] = d.spec_type, d.weight_type
                     one_prediction(rec, curve, k)
                     records.append(rec)

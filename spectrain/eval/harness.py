@@ -83,6 +83,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling for T > 0 (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k sampling for T > 0 (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed+i, for the baseline and every drafter")
+    p.add_argument("--no-hf-plain", dest="hf_plain", action="store_false",
+                   help="do not decode HF generate plain beside spectrain's plain loop (by default both run on the "
+                        "same prompts and speedups are stated against the faster)")
     p.add_argument("--repeats", type=int, default=1,
                    help="time every prompt N times, plain and speculative alternating, and report the median "
                         "(speedup: the median of the paired ratios); outputs and acceptance come from the first")
@@ -165,6 +168,7 @@ def _refuse_repeats(args, raw_trees: list[str]) -> None:
                                  "row of the report; give each value once")
 
 
+HF_PLAIN = "baseline:hf-plain"  # the cell key of HF generate's plain decoding (the second plain decoder)
 HF_SKIPS = {"--batch-size": "HF's generate decodes one row at a time",
             "the chain-length pick": "HF's generate is another decoding loop than the one the cost curve models"}
 
@@ -232,18 +236,22 @@ def decode_weight(ids: list[int], args) -> int:
 def progress_total(encoded: dict, plan: dict, args) -> int:
     """The progress bar's total: every decode (baselines included, every repeat) weighted by its tokens."""
     weight = sum(decode_weight(ids, args) for v in encoded.values() for ids in v)
-    return weight * (len(args.temperature) + sum(len(c) for c in plan.values())) * getattr(args, "repeats", 1)
+    plains = len(args.temperature) * (1 + bool(getattr(args, "hf_plain", False)))
+    return weight * (plains + sum(len(c) for c in plan.values())) * getattr(args, "repeats", 1)
 
 
 def run_cells(target, drafters: dict, plan: dict, sets: list[PromptSet], encoded: dict, args, bar) -> dict:
     """Every cell of the grid, prompt by prompt: the baseline and each drafter config take turns on the same
     prompt, `--repeats` times in a row (plain, spec, ..., plain, spec, ...), so load drift on a shared machine
-    hits both sides of the measured speedup alike and no speedup rests on one slow moment of the baseline."""
+    hits both sides of the measured speedup alike and no speedup rests on one slow moment of the baseline. With
+    ``args.hf_plain`` HF generate's plain decoding takes its turn too (the other plain decoder a user has)."""
     cells: dict = {}
+    hf_plain = HFBaseline("hf:plain", "plain") if getattr(args, "hf_plain", False) else None
     for ps in sets:
         for temp in args.temperature:
             todo = [(d, cfg) for d, cfgs in plan.items() for cfg in cfgs if cfg.temperature == temp]
             base = cells.setdefault(("plain", f"T={temp:g}", ps.name), _new_cell())
+            hf_base = cells.setdefault((HF_PLAIN, f"T={temp:g}", ps.name), _new_cell()) if hf_plain else None
             bar.set_postfix_str(f"T={temp:g} {ps.name}")
             for i, ids in enumerate(encoded[ps.name]):
                 common = dict(target=target, input_ids=torch.tensor(ids, device=target.device),
@@ -251,11 +259,13 @@ def run_cells(target, drafters: dict, plan: dict, sets: list[PromptSet], encoded
                               top_k=args.top_k, seed=args.seed + i)
                 for rep in range(getattr(args, "repeats", 1)):
                     _decode_into(base, plain_generate, rep, **common)
+                    if hf_plain:
+                        _decode_into(hf_base, hf_plain.generate, rep, **common)
                     for d, cfg in todo:
                         fn = drafters[d].generate if is_hf_spec(d) else speculative_generate  # same signature
                         _decode_into(cells.setdefault((d, cfg.label, ps.name), _new_cell()), fn,
                                      rep, drafter=drafters[d], k=cfg.k, tree=cfg.tree, **common)
-                    bar.update(decode_weight(ids, args) * (1 + len(todo)))
+                    bar.update(decode_weight(ids, args) * (1 + bool(hf_plain) + len(todo)))
     return cells
 
 
@@ -294,13 +304,15 @@ def main(args) -> int:
     encoded = _encode_all(sets, target.tokenizer, max_len, args)
     drafters = _load_drafters(args.drafter, target)
     plan = {d: _configs(args, drafters[d]) for d in drafters}
-    _warm_up(target, encoded[sets[0].name][0])
+    _warm_up(target, encoded[sets[0].name][0], args.hf_plain)
     with tqdm(total=progress_total(encoded, plan, args), desc="decoding (prompt + new tokens)", unit="tok",
               unit_scale=True) as bar:
         cells = run_cells(target, drafters, plan, sets, encoded, args, bar)
     greedy_check.judge_cells(target, plan, sets, cells, encoded)  # T = 0: identical, near-tie or FAIL per prompt
 
     baselines = {(t, ps.name): cells[("plain", f"T={t:g}", ps.name)] for t in args.temperature for ps in sets}
+    hf_baselines = {(t, ps.name): cells[(HF_PLAIN, f"T={t:g}", ps.name)] for t in args.temperature for ps in sets
+                    if (HF_PLAIN, f"T={t:g}", ps.name) in cells}
     records = []
     for d, cfgs in plan.items():
         for cfg in cfgs:
@@ -309,8 +321,8 @@ def main(args) -> int:
                 cell["prompt_stats"], cell["stats"] = cell["stats"], DecodeStats.merge(cell["stats"])
                 cell["prompt_ids"] = [prompt_id(ids) for ids in encoded[ps.name]]  # `spectrain compare` pairs by these
                 records.append(report.make_record(d, cfg, ps, cell, baselines[(cfg.temperature, ps.name)],
-                                                  args.cost_ratio))
-    meta = report.run_metadata(args, target_name, target, sets, baselines)
+                                                  args.cost_ratio, hf_baselines.get((cfg.temperature, ps.name))))
+    meta = report.run_metadata(args, target_name, target, sets, baselines, hf_baselines)
 
     own = {d: c for d, c in plan.items() if not is_hf_spec(d)}  # HF's assisted generation decodes B = 1 only
     sweep = None
@@ -394,6 +406,10 @@ def _load_drafters(specs: list[str], target) -> dict:
     return out
 
 
-def _warm_up(target, ids: list[int]) -> None:
-    """One short untimed generation so lazy init (kernels, allocator) does not land in the first timing."""
-    plain_generate(target=target, input_ids=torch.tensor(ids, device=target.device), max_new_tokens=2)
+def _warm_up(target, ids: list[int], hf_plain: bool = False) -> None:
+    """One short untimed generation per plain decoder so lazy init (kernels, allocator, generate's set-up) does not
+    land in the first timing."""
+    x = torch.tensor(ids, device=target.device)
+    plain_generate(target=target, input_ids=x, max_new_tokens=2)
+    if hf_plain:
+        HFBaseline("hf:plain", "plain").generate(target, x, max_new_tokens=2)
