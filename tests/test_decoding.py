@@ -250,3 +250,24 @@ def test_reference_target_greedy_equals_generate():
         out = speculative_generate(target, draft, prompt, 24, k=3, tree={"topk": 2})
         assert out.tokens == ref and out.stats.alpha[0] == 1.0 and sum(out.stats.accepts) > 0
         assert all(a == 1.0 for a in out.stats.alpha if a == a)  # nan where never reached
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_a_drafter_without_features_folds_the_prefill_into_the_first_pass(drafter):
+    """Plain decoding of N tokens is N model forwards, as HF generate's (the prompt rides on the first verify
+    pass), each computing logits only for the rows it judges; a drafter reading features keeps its prefill."""
+    target = make_tiny_target()
+    calls, widths = [], []
+    target.model.model.register_forward_pre_hook(lambda m, a, kw: calls.append((a[0] if a else kw["input_ids"]).shape[1]),
+                                                 with_kwargs=True)
+    assert not target.upcasts_logits()  # an fp32 target: the model's own head, with logits_to_keep
+    target.model.lm_head.register_forward_hook(lambda m, a, o: widths.append(o.shape[1]))
+    prompt = PROMPTS[0]
+    d = NgramDrafter() if drafter else None
+    out = speculative_generate(target, d, torch.tensor(prompt), max_new_tokens=12, k=3, eos_token_id=[])
+    passes, heads = list(calls), list(widths)  # before generate's own passes below
+    assert out.tokens == hf_greedy(target, prompt, 12, eos=[])
+    assert len(passes) == out.stats.target_passes and passes[0] >= len(prompt)  # no separate prefill
+    assert heads[0] == passes[0] - (len(prompt) - 1)  # the prompt's own rows computed no logits
+    if drafter is None:
+        assert out.stats.target_passes == 12 and out.stats.tau == 1.0

@@ -5,8 +5,10 @@ token except the newest). A step feeds ``[tokens[-1]] + drafted nodes`` at posit
 ``P + depth`` (P = len(tokens) - 1; a chain has depth 1..n), so logits row 0 is the target's
 distribution for the first drafted position and the row of node i is the distribution after it.
 After acceptance the cache keeps the root plus the accepted path (a crop for chains, a gather for
-trees), which restores the invariant. The prefill feeds ``prompt[:-1]`` and emits nothing, so every
-counted target pass emits >= 1 token and plain decoding has tau = 1 exactly.
+trees), which restores the invariant. The prefill feeds ``prompt[:-1]`` and emits nothing. Where the drafter reads
+no target features and drafts chains (plain decoding, n-gram, draft models) there is no separate prefill: the first
+step's pass feeds the whole prompt plus the first draft (as HF ``generate`` does), which saves a pass per prompt.
+Either way every counted target pass emits >= 1 token and plain decoding has tau = 1 exactly.
 
 Acceptance rules (greedy, and exact sampling with residuals): spectrain/decoding/acceptance.py.
 
@@ -181,7 +183,11 @@ def _generate_one(target, drafter, prompt: list[int], max_new: int, k: int, samp
     if drafter is not None:
         with timed(dev, stats.add_draft):
             drafter.begin(torch.tensor(prompt, device=dev))
-    if len(tokens) > 1:
+    # Drafters that read the prompt's features need them before the first draft: a pass of its own. Otherwise the
+    # prompt rides on the first verify pass (trees keep the prefill: their mask assumes a cached prefix).
+    fold = not want_feats and tree is None
+    uncached = len(tokens) - 1 if fold else 0  # committed tokens the cache does not hold yet, besides the last
+    if len(tokens) > 1 and not fold:
         with timed(dev, stats.add_target):
             out = target.forward(torch.tensor([tokens[:-1]], device=dev), cache=cache, aux_layers=aux_layers,
                                  want_final_hidden=want_final, want_logits=False, use_cache=True)
@@ -200,7 +206,9 @@ def _generate_one(target, drafter, prompt: list[int], max_new: int, k: int, samp
                 pending = []
                 proposal, keep_idx = clip_proposal(drafter.propose(ctx), depth_limit, target.vocab_size)
         with timed(dev, stats.add_target):  # verify in one pass, accept, roll the cache back to the accepted path
-            path, new, outcomes, out = _verify(target, cache, tokens, proposal, sampler, aux_layers, want_final)
+            path, new, outcomes, out = _verify(target, cache, tokens, proposal, sampler, aux_layers, want_final,
+                                               uncached)
+            uncached = 0
             path, new, outcomes, eos_hit = cut_at_stop(path, new, outcomes, max_new - len(emitted), eos)
             stop = eos_hit or stop
             P = len(tokens) - 1
@@ -223,26 +231,27 @@ def _generate_one(target, drafter, prompt: list[int], max_new: int, k: int, samp
 # verification
 
 
-def _verify(target, cache, tokens, proposal, sampler, aux_layers, want_final):
-    """One target pass over [last token] + nodes. Returns (accepted node indices root->leaf, emitted
-    tokens, per-depth outcomes, target output)."""
+def _verify(target, cache, tokens, proposal, sampler, aux_layers, want_final, uncached: int = 0):
+    """One target pass over [last token] + nodes (preceded by the ``uncached`` committed tokens before it, on a
+    folded prefill). Returns (accepted node indices root->leaf, emitted tokens, per-depth outcomes, target output)."""
     dev = target.device
     P = len(tokens) - 1
+    start = P - uncached
     n = len(proposal) if proposal is not None else 0
-    ids = torch.tensor([tokens[-1]], device=dev)
+    ids = torch.tensor(tokens[start:], device=dev)
     mask = None
     if n == 0:
-        pos = torch.tensor([P], device=dev)
+        pos = torch.arange(start, P + 1, device=dev)
     else:
         ids = torch.cat([ids, proposal.tokens.to(dev)])
         if proposal.is_chain:
-            pos = torch.arange(P, P + n + 1, device=dev)
+            pos = torch.arange(start, P + n + 1, device=dev)
         else:
             depth = torch.tensor([0] + depths(proposal.parents.tolist()), device=dev)
             pos = P + depth
             mask = tree_mask(target, proposal.parents.tolist(), P, pos)
     out = target.forward(ids[None], position_ids=pos[None], attention_mask=mask, cache=cache,
-                         aux_layers=aux_layers, want_final_hidden=want_final, use_cache=True)
+                         aux_layers=aux_layers, want_final_hidden=want_final, use_cache=True, logits_from=uncached)
     logits = out.logits[0]
     if proposal is None or proposal.is_chain:
         path, new, outcomes = accept_chain(logits, proposal, sampler)

@@ -78,6 +78,7 @@ class FrozenTarget:
         # transformers >= 5.2x renamed `past_key_values` to `cache`; accept both.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keeps_logits = "logits_to_keep" in params
         if logits not in MODES:
             raise ValueError(f"logits={logits!r}: use one of {', '.join(MODES)} (spectrain/targets/logits.py)")
         self.fp32_logits = fp32_logits  # 16-bit targets: fp32 logits where they decide a token (module doc)
@@ -168,7 +169,9 @@ class FrozenTarget:
         want_logits: bool = True,
         use_cache: bool | None = None,
         logits_mode: str | None = None,
+        logits_from: int = 0,
     ) -> TargetOutput:
+        """``logits_from``: logits only for positions >= it (a prompt riding on a verify pass needs none of its own)."""
         captured: dict = {}
         handles = []
         upcast = want_logits and self.upcasts_logits()
@@ -184,8 +187,11 @@ class FrozenTarget:
             if cache is not None:
                 kwargs[self._cache_kw] = cache
             if want_logits and not upcast:
+                keep = input_ids.shape[1] - logits_from
+                if logits_from and self._keeps_logits:
+                    kwargs["logits_to_keep"] = keep
                 out = self.model(input_ids, **kwargs)
-                logits = out.logits
+                logits = out.logits[:, -keep:]
             else:  # skip the model's own (16-bit or unwanted) vocab projection
                 out = self.model.get_decoder()(input_ids, **kwargs)
                 logits = None
@@ -193,7 +199,7 @@ class FrozenTarget:
             for h in handles:
                 h.remove()
         if upcast:  # after the taps are gone: the fp32 copies must not inherit them
-            logits = self.fp32_head_logits(captured["last"], logits_mode)
+            logits = self.fp32_head_logits(captured["last"][:, logits_from:], logits_mode)
         new_cache = getattr(out, self._cache_kw, None)
         dev = self.device  # with a device_map the taps sit on different GPUs; callers get one device
 
