@@ -238,6 +238,23 @@ def smollm2_sweep(data: dict) -> str:
                     + ["crossover"], rows)
 
 
+def plain_speed(data: dict) -> str:
+    """`spectrain eval --drafter ngram --drafter hf:prompt-lookup` report.json: both plain decoders and both prompt
+    lookups per prompt set, in one run."""
+    recs = {(r["drafter"], r["prompt_set"]): r for r in data["records"]}
+    rows = []
+    for ps in [p["name"] for p in data["meta"]["prompt_sets"]]:
+        ng, pl = recs[("ngram", ps)], recs[("hf:prompt-lookup", ps)]
+        own, hf = ng["plain_tokens_per_s"]["spectrain plain loop"], ng["plain_tokens_per_s"]["HF generate plain"]
+        rows.append([ps, data["meta"]["dtype"], own, hf, own / hf, ng["tokens_per_s"], ng["tau"], pl["tokens_per_s"],
+                     pl["tau"], ng["tokens_per_s"] / pl["tokens_per_s"], ng["greedy_identical_to_plain"]])
+    cols = ["prompt set", "dtype", "spectrain plain tok/s", "HF generate plain tok/s", "spectrain / HF",
+            "spectrain n-gram tok/s", "n-gram tau", "HF prompt lookup tok/s", "PLD tau", "n-gram / PLD",
+            "n-gram greedy = plain"]
+    fmts = ["text", "text", "num:1", "num:1", "x:2", "num:1", "num:2", "num:1", "num:2", "x:2", "text"]
+    return stored({"columns": cols, "formats": fmts, "rows": rows})
+
+
 QS = "eval/reference/eagle3_quality_study.json"
 QS_TABLES = [f"qs{steps}_{what}_T{t}" for steps, whats in (
     ("800", ("tau", "vs_speculators_default", "vs_speculators_default_lr2e-3")),
@@ -247,7 +264,8 @@ QS_TABLES = [f"qs{steps}_{what}_T{t}" for steps, whats in (
 # stored files whose every table is rendered, whatever their names: the SmolLM2 quality study keeps only the
 # tables its runs produced (scripts/studies/smollm2_quality_tables.py), the data-scaling study one per temperature
 # (scripts/studies/data_scaling.py --store)
-WHOLE_FILES = ["eval/reference/smollm2_quality.json", "eval/reference/smollm2_data_scaling.json"]
+WHOLE_FILES = ["eval/reference/smollm2_quality.json", "eval/reference/smollm2_data_scaling.json",
+               "eval/reference/decode_profile_cpu.json"]
 
 
 def _tables_of(src: str) -> list[str]:
@@ -284,6 +302,8 @@ TABLES: dict[str, tuple[str, object]] = {
     "smollm2_families_bf16": ("eval/reference/smollm2_families_bf16_report.json", smollm2_dtype),
     "smollm2_families_bf16_cost_curve": ("eval/reference/smollm2_families_bf16_report.json", smollm2_curve),
     "smollm2_sweep": ("eval/reference/smollm2_sweep.json", smollm2_sweep),
+    "smollm2_plain_speed_bf16": ("eval/reference/smollm2_plain_speed_bf16_report.json", plain_speed),
+    "smollm2_plain_speed_fp32": ("eval/reference/smollm2_plain_speed_fp32_report.json", plain_speed),
     "smollm2_sweep_tree": ("eval/reference/smollm2_sweep_tree.json", smollm2_sweep),
     "batch_sweep_cpu": ("eval/reference/batch_sweep_cpu.json", _stored_table("batch_sweep_cpu")),
     "predicted_crossover_llama8b_h100": ("eval/reference/predicted_crossover_llama8b_h100.json",
