@@ -242,7 +242,9 @@ def test_an_empty_cache_has_no_engine_and_require_says_how_to_build(this_machine
 
 
 def test_a_cached_build_is_found_and_info_prints_it(this_machine, capsys):
-    this_machine.mkdir(parents=True)
+    from test_engine_cache import make_build
+
+    make_build(this_machine)  # sealed: binaries + SHA256SUMS (tests/test_engine_cache.py: a damaged one is refused)
     (this_machine / "build.json").write_text('{"options": {"GGML_AVX2": "ON", "GGML_AMX_TILE": "OFF"}, '
                                              '"build_seconds": 1.0, "jobs": 2, "compiler": "fake c++ 1.0"}')
     assert llama_cpp.require().root == this_machine
@@ -281,7 +283,7 @@ def test_jobs_zero_is_refused_before_anything_is_built(monkeypatch):
     monkeypatch.setattr(llama_cpp, "fetch", lambda *a, **k: pytest.fail("a build started"))
     p = argparse.ArgumentParser()
     llama_cpp.add_engine_args(p)
-    with pytest.raises(ValueError, match="--jobs must be >= 1"):
+    with pytest.raises(ValueError, match="--jobs 0: give 1 to"):
         llama_cpp.main(p.parse_args(["fetch", "llama.cpp", "--jobs", "0"]))
 
 

@@ -77,7 +77,9 @@ def _target_dir(target: str) -> Path:
 
 def _convert(hf_dir: Path, out_file: Path, target_dir: Path | None, gguf_type: str = "f32") -> None:
     engine = llama_cpp.require()
-    cmd = [sys.executable, str(engine.converter), str(hf_dir), "--outtype", gguf_type, "--outfile", str(out_file)]
+    # -B: no __pycache__ written into the verified engine entry (umask-made, group-writable dirs would be refused)
+    cmd = [sys.executable, "-B", str(engine.converter), str(hf_dir), "--outtype", gguf_type, "--outfile",
+           str(out_file)]
     if target_dir is not None:
         cmd += ["--target-model-dir", str(target_dir)]
     done = subprocess.run(cmd, capture_output=True, text=True)

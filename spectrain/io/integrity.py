@@ -267,6 +267,28 @@ def seal_command(dirs: list[str]) -> int:
     return 0
 
 
+def untrusted_file(path: Path, st: os.stat_result) -> str | None:
+    """Why a cached file cannot be trusted: another user owns it, or its group or others can write it (a shared
+    cache directory), so someone else could have put what spectrain would load or run as you."""
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o022 and not stat.S_ISLNK(st.st_mode):  # a link's own mode bits mean nothing
+        return f"{path} is writable by its group or by other users"
+    return None
+
+
+def untrusted_entries(root: Path) -> list[str]:
+    """``untrusted_file`` over ``root`` and everything under it (links not followed: a link is judged by its owner,
+    and outside_links judges where it points)."""
+    root, out = Path(root), []
+    for dirpath, dirs, names in os.walk(root):
+        for p in ([root] if dirpath == str(root) else []) + [Path(dirpath) / n for n in dirs + names]:
+            why = untrusted_file(p, p.lstat())
+            if why:
+                out.append(why)
+    return out
+
+
 def untrusted_pickles(root, allowed: tuple[str, ...]) -> list[Path]:
     """Pickle-format files under ``root`` whose names are not in ``allowed`` (regex-free prefixes)."""
     root = Path(root)
