@@ -6,6 +6,7 @@ answers what spectrain/engines/server.py asks of the real one (llama.cpp 0c1e570
 - ``/health``: 503 "Loading model" for the first 0.3 s, then ``{"status": "ok"}``;
 - ``/metrics``: the cumulative ``llamacpp:spec_decode_*`` counters, as the real server prints them (HELP/TYPE
   lines, the per-position series only once a request has speculated);
+- ``/props``: ``model_path`` (the ``-m`` path, as the real server reports it);
 - ``/v1/chat/completions``: "echo: " + the last message's text (at most ``max_tokens`` words), as the model
   named by ``-m`` (what the real server reports), with ``usage`` and ``finish_reason``;
 - ``/completion``: ``n_predict`` tokens ``prompt[-1] + 1 ...``, ``timings``, ``completion_probabilities``
@@ -14,7 +15,9 @@ answers what spectrain/engines/server.py asks of the real one (llama.cpp 0c1e570
 
 It writes ``{"argv", "pid", "child", "omp_wait_policy"}`` to ``fake-state.json`` beside itself, and starts a ``sleep 60``
 child, so a test can check that the whole process group is stopped. ``FAKE_LLAMA_DIE=MESSAGE`` in its
-environment makes it print MESSAGE and exit 3 at once (a model that does not load).
+environment makes it print MESSAGE and exit 3 at once (a model that does not load); ``FAKE_LLAMA_EXIT_AFTER=N``
+makes it die (exit 137, as if killed) at the first request after N answers; every request body it receives is
+appended to ``fake-requests.jsonl`` beside it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 STATE = "fake-state.json"
+REQUESTS = "fake-requests.jsonl"
 K = 3  # positions of the per-position series
 
 
@@ -47,6 +51,12 @@ def state(root: Path) -> dict:
     return json.loads((root / "build" / "bin" / STATE).read_text())
 
 
+def requests(root: Path) -> list[dict]:
+    """Every request body the fake received (POSTs), in order."""
+    f = root / "build" / "bin" / REQUESTS
+    return [json.loads(line) for line in f.read_text().splitlines()] if f.is_file() else []
+
+
 def alive(pid: int) -> bool:
     """True while `pid` runs (a zombie no parent has reaped yet counts as gone)."""
     try:
@@ -59,7 +69,7 @@ def alive(pid: int) -> bool:
 class _Counters:
     def __init__(self):
         self.lock = threading.Lock()
-        self.drafts = self.drafted = self.accepted = 0
+        self.drafts = self.drafted = self.accepted = self.answered = 0
         self.per_pos: list[int] = []
 
     def add(self, n: int) -> tuple[int, int]:
@@ -104,11 +114,19 @@ def _handler(counters: _Counters, ready_at: float, model: str = ""):
                     self._send(200, {"status": "ok"})
             elif self.path == "/metrics":
                 self._send(200, counters.prometheus(), "text/plain; version=0.0.4")
+            elif self.path == "/props":
+                self._send(200, {"model_path": model, "total_slots": 1})
             else:
                 self._send(404, {"error": "not found"})
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            with counters.lock:
+                counters.answered += 1
+                if counters.answered > int(os.environ.get("FAKE_LLAMA_EXIT_AFTER") or 1 << 30):
+                    os._exit(137)  # killed mid-run: this and every later request get no answer
+                with open(Path(__file__).resolve().parent / REQUESTS, "a") as f:
+                    f.write(json.dumps(body) + "\n")
             if self.path == "/v1/chat/completions":
                 words = ("echo: " + body["messages"][-1]["content"]).split()
                 cut = words[:int(body.get("max_tokens", 16))]

@@ -45,6 +45,7 @@ import threading
 import time
 import urllib.parse
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,7 @@ class ServerConfig:
     concurrency: int = 64
     retries: int = 5
     timeout_s: float = 600.0
+    gone: Callable[[], str | None] | None = None  # a server spectrain started: why it is gone (None: it runs)
 
     def validate(self) -> ServerConfig:
         if not self.urls:
@@ -163,6 +165,14 @@ class ChatClient:
         --retries backoffs, tens of seconds) would hold the process open in silence."""
         self._stopped.set()
 
+    def _check_gone(self) -> None:
+        """A server spectrain started that exited fails every remaining request: the run stops now, not after
+        --retries backoffs for each row against a dead port."""
+        why = self.cfg.gone() if self.cfg.gone is not None else None
+        if why:
+            self._fatal = ServerConfigError(f"{why}; the rows written so far are kept: rerun the same command to resume")
+            raise self._fatal
+
     def _url(self) -> str:
         with self._lock:
             return self.cfg.urls[next(self._turn) % len(self.cfg.urls)]
@@ -226,6 +236,7 @@ class ChatClient:
         for attempt in range(self.cfg.retries + 1):
             if self._fatal is not None:  # another row met a setup error: every request would meet it
                 raise self._fatal
+            self._check_gone()
             if wait:
                 _sleep(self._stopped, wait)
             if self._stopped.is_set():
@@ -247,6 +258,7 @@ class ChatClient:
                 self._fatal = e
                 raise
             except (http.client.HTTPException, OSError, ValueError) as e:  # ValueError: not JSON / BadResponse
+                self._check_gone()
                 last = f"{url}: {type(e).__name__}: {e}"
         raise ServerUnavailable(f"{last} (after {self.cfg.retries + 1} attempts)")
 

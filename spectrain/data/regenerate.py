@@ -370,7 +370,7 @@ def _regenerate_with_engine(args: argparse.Namespace, cfg: RegenConfig) -> Regen
     with LlamaServer(engine, gguf, threads=args.threads, ctx=args.ctx, parallel=args.parallel, spin=args.spin,
                      log=log, timeout=args.timeout) as srv:
         server = ServerConfig(urls=[srv.url], model=str(gguf), concurrency=args.parallel, retries=args.retries,
-                              timeout_s=args.timeout).validate()
+                              timeout_s=args.timeout, gone=srv.gone).validate()
         return regenerate(args.recipe, args.overrides, args.out, cfg, server=server)
 
 

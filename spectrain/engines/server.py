@@ -10,6 +10,12 @@ defines it), ``--metrics`` on: the per-position accepted counters are cumulative
 so each request's counts are the difference of ``/metrics`` read before and after it (one slot, requests in
 sequence: nothing else moves them). The server runs in its own session and is stopped through its process
 group, so no worker survives a crash of the caller.
+
+The server spectrain talks to is the one it started. The port is probed free and then handed to llama-server, so
+another process can take it in between; the answer to /health is therefore trusted only once the process listening
+on the port is ours (Linux: the listening socket is one of our server's file descriptors; elsewhere /props names our
+model) and our process is alive. A server that exits while starting or during the run fails the run at once, naming
+its exit status and the log's last lines: every request checks the process before and after it.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ import re
 import signal
 import socket
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spectrain.engines.llama_cpp import Engine
+from spectrain.engines.process import install_sigterm_exit, stop_group
 
 START_TIMEOUT = 180.0  # seconds for a server to load its models and answer /health
 _METRIC = re.compile(r'^llamacpp:(spec_decode_[a-z_]+)(?:\{position="(\d+)"\})?\s+([0-9.eE+-]+)$')
@@ -35,6 +41,24 @@ _METRIC = re.compile(r'^llamacpp:(spec_decode_[a-z_]+)(?:\{position="(\d+)"\})?\
 # calls and milliseconds of the draft's begin / generate / accept phases over the server's life
 _DRAFT_STATS = re.compile(r"statistics\s+\S+: #calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+).*"
                           r"dur\(b,g,a\) = ([0-9.]+), ([0-9.]+), ([0-9.]+) ms")
+
+
+class ServerError(OSError, RuntimeError):
+    """The llama-server spectrain started is gone or is not the one answering: the run stops at once (one line,
+    exit status 2)."""
+
+
+# llama-server's sampler defaults (common/common.h: top-k 40, top-p 0.95, min-p 0.05, ...) truncate the target's
+# distribution: a request that names only the temperature is sampled from that truncation, not from p. Every
+# request spectrain sends names every sampler, so T = 1 means the target's own distribution.
+NEUTRAL_SAMPLERS = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
+                    "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0}
+
+
+def sampling_settings(temperature: float, top_k: int = 0, top_p: float = 1.0) -> dict:
+    """The request fields that make llama-server sample from the target's distribution at `temperature`, warped only
+    by the given top-k / top-p (0 / 1 = off), as spectrain's own sampler does (and nothing else)."""
+    return {**NEUTRAL_SAMPLERS, "temperature": temperature, "top_k": top_k, "top_p": top_p}
 
 
 @dataclass
@@ -72,17 +96,42 @@ def server_command(engine: Engine, model: Path, port: int, threads: int, ctx: in
     return cmd
 
 
-def _stop_on_sigterm():
-    """A SIGTERM (a scheduler, `timeout`, `kill`) would end Python without running ``__exit__`` and leave the server,
-    which runs in its own session, serving forever: turn it into SystemExit while a server is up, so the ``with``
-    block stops it. Returns the handler to restore (None off the main thread, where handlers cannot be set)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
+_LOCAL = {"0100007F", "7F000001", "00000000", "0" * 32, "0000000000000000FFFF00000100007F", "0000000000000000FFFF000000000000"}
 
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
 
-    return signal.signal(signal.SIGTERM, stop)
+def port_listeners(port: int) -> set[int] | None:
+    """Socket inodes listening on `port` at an address that 127.0.0.1 reaches (127.0.0.1, 0.0.0.0, ::, their v4-mapped
+    forms), from /proc/net/tcp{,6}; None where /proc does not tell (not Linux)."""
+    found, seen = set(), False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        seen = True
+        for line in lines:
+            f = line.split()
+            addr, _, hexport = f[1].partition(":")
+            if f[3] == "0A" and int(hexport, 16) == port and addr.upper() in _LOCAL:  # 0A: LISTEN
+                found.add(int(f[9]))
+    return found if seen else None
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """Inodes of the sockets process `pid` holds open."""
+    out = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            m = re.match(r"socket:\[(\d+)\]", os.readlink(fd))
+        except OSError:
+            continue
+        if m:
+            out.add(int(m.group(1)))
+    return out
 
 
 class LlamaServer:
@@ -110,14 +159,15 @@ class LlamaServer:
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None
         self._on_term = None  # the SIGTERM handler to restore on exit
-
+        self.model = Path(model)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> LlamaServer:
-        self._on_term = _stop_on_sigterm()
+        # A SIGTERM would end Python without running __exit__ and leave the server (its own session) serving forever
+        self._on_term = install_sigterm_exit()
         try:
             return self._start()
         except BaseException:
@@ -131,17 +181,51 @@ class LlamaServer:
                                          start_new_session=True, env=self.env)
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode} while starting: "
-                                   f"{self._tail()} (log {self.log})")
+            self.check_alive("while starting")
             try:
-                if self._get("/health", timeout=2.0).get("status") == "ok":
-                    return self
+                ok = self._get("/health", timeout=2.0).get("status") == "ok"
             except (OSError, ValueError):
-                pass
+                ok = False
+            if ok:
+                self._check_identity()
+                return self
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError(f"llama-server did not answer /health within {START_TIMEOUT:.0f} s (log {self.log})")
+        raise ServerError(f"llama-server did not answer /health within {START_TIMEOUT:.0f} s (log {self.log})")
+
+    def gone(self, when: str = "during the run") -> str | None:
+        """Why the server cannot be answering (it exited), or None while it runs."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        held = port_listeners(self.port)
+        hint = f"; port {self.port} is held by another process" if held else ""
+        return (f"llama-server (pid {self.proc.pid}) exited with {self.proc.returncode} {when}: {self._tail()}"
+                f"{hint} (log {self.log})")
+
+    def check_alive(self, when: str = "during the run") -> None:
+        why = self.gone(when)
+        if why:
+            raise ServerError(why)
+
+    def _check_identity(self) -> None:
+        """The /health that answered came from our process, not from one that took the port first."""
+        self.check_alive("while starting")
+        held = port_listeners(self.port)
+        if held:  # Linux says who listens
+            if held <= socket_inodes(self.proc.pid):
+                return
+            self.stop()
+            raise ServerError(f"127.0.0.1:{self.port} answered, but not from the llama-server spectrain started (pid "
+                              f"{self.proc.pid}): another process holds the port (it took it between spectrain's "
+                              "probe and the server's start); nothing was sent to it: rerun (a new port is picked)")
+        try:  # /proc does not say: the server's own account of itself must name our model
+            path = self._get("/props", timeout=5.0).get("model_path")
+        except (OSError, ValueError, AttributeError):
+            path = None
+        if path is not None and Path(path) != self.model:
+            self.stop()
+            raise ServerError(f"127.0.0.1:{self.port} serves {path}, not {self.model}: another server holds the port; "
+                              "rerun (a new port is picked)")
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -151,18 +235,8 @@ class LlamaServer:
 
     def stop(self) -> None:
         """Its whole process group: SIGTERM, then SIGKILL after 10 s."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        if self.proc is not None:
+            stop_group(self.proc)
 
     def _tail(self) -> str:
         try:
@@ -176,10 +250,25 @@ class LlamaServer:
             body = r.read()
         return json.loads(body) if path != "/metrics" else body.decode()
 
+    def _ask(self, what: str, fn):
+        """`fn()` against the server, which must be alive before and after it; a failed request of a dead server
+        says it died (not a connection error to retry)."""
+        self.check_alive()
+        try:
+            out = fn()
+        except urllib.error.HTTPError:
+            raise
+        except (OSError, ValueError) as e:
+            self.check_alive()
+            raise ServerError(f"llama-server at {self.url} did not answer {what}: {type(e).__name__}: {e} "
+                              f"(log {self.log})") from e
+        self.check_alive()
+        return out
+
     def spec_counters(self) -> dict:
         """The cumulative speculative counters of /metrics: drafts, drafted, accepted, accepted per position."""
         out: dict = {"per_pos": {}}
-        for line in self._get("/metrics").splitlines():
+        for line in self._ask("/metrics", lambda: self._get("/metrics")).splitlines():
             m = _METRIC.match(line.strip())
             if not m:
                 continue
@@ -191,21 +280,23 @@ class LlamaServer:
         return out
 
     def complete(self, prompt: list[int], n_predict: int, temperature: float, seed: int,
-                 top2: bool = False) -> Completion:
+                 top2: bool = False, top_k: int = 0, top_p: float = 1.0) -> Completion:
         """One /completion over token ids (the chat template is applied by the caller, as spectrain eval does)."""
         before, (n_before, ms_before) = self.spec_counters(), self._draft_stats()
-        body = {"prompt": prompt, "n_predict": n_predict, "temperature": temperature, "seed": seed,
-                "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
-                "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+        body = {"prompt": prompt, "n_predict": n_predict, "seed": seed, **sampling_settings(temperature, top_k, top_p),
                 "ignore_eos": False, "cache_prompt": False, "return_tokens": True, "stream": False,
                 "n_probs": 2 if top2 else 0, "post_sampling_probs": False}
         req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-        try:
+
+        def post():
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                res = json.loads(r.read())
+                return json.loads(r.read())
+
+        try:
+            res = self._ask("/completion", post)
         except urllib.error.HTTPError as e:
-            raise RuntimeError(f"llama-server answered {e.code}: {e.read()[:300]!r} (log {self.log})") from e
+            raise ServerError(f"llama-server answered {e.code}: {e.read()[:300]!r} (log {self.log})") from e
         out = _completion(res, before, self.spec_counters(), top2)
         if out.draft_n:  # the task's statistics line is logged by another thread: wait for it (<= 2 s)
             deadline, (n, ms) = time.monotonic() + 2.0, self._draft_stats()

@@ -19,7 +19,6 @@ llama-bench) and the draft's measured cost give the record's one predicted speed
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from spectrain import registry
 from spectrain.decoding.loop import plain_generate
 from spectrain.decoding.stats import DecodeStats
 from spectrain.engines import llama_cpp
+from spectrain.engines.process import run_stopped_with_us
 from spectrain.engines.server import Completion, LlamaServer
 from spectrain.eval import conformance, divergence, report
 from spectrain.eval.harness import DecodeConfig, _encode_all, prompt_id, validate_args
@@ -85,7 +85,7 @@ def cost_curve(engine, target: Path, depth: int, threads: int, ts=(1, 2, 3, 4, 5
     """Seconds of one target pass over t new tokens with `depth` tokens in the cache (llama-bench, median of 5)."""
     cmd = [str(engine.binary("llama-bench")), "-m", str(target), "-p", ",".join(map(str, ts)), "-n", "0",
            "-d", str(depth), "-t", str(threads), "-r", "5", "-o", "json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = run_stopped_with_us(cmd, timeout=600)  # a SIGTERM or Ctrl-C here stops llama-bench too
     if done.returncode:
         raise RuntimeError(f"llama-bench failed: {done.stderr.strip()[-300:]}")
     return {int(r["n_prompt"]): float(r["avg_ns"]) / 1e9 for r in json.loads(done.stdout)}
