@@ -10,8 +10,9 @@ answers what spectrain/engines/server.py asks of the real one (llama.cpp 0c1e570
 - ``/v1/chat/completions``: "echo: " + the last message's text (at most ``max_tokens`` words), as the model
   named by ``-m`` (what the real server reports), with ``usage`` and ``finish_reason``;
 - ``/completion``: ``n_predict`` tokens ``prompt[-1] + 1 ...``, ``timings``, ``completion_probabilities``
-  with ``n_probs`` top entries, and per request ``n_predict`` verification steps whose per-position
-  accepted counts are ``[n, n - 1, 1]`` (so two requests in a row have different counts).
+  with ``n_probs`` top entries, and (started with ``--spec-type``) per request ``n_predict`` verification steps
+  whose per-position accepted counts are ``[n, n - 1, 1]`` (so two requests in a row have different counts),
+  with the drafter's cumulative ``statistics`` line in its log.
 
 It writes ``{"argv", "pid", "child", "omp_wait_policy"}`` to ``fake-state.json`` beside itself, and starts a ``sleep 60``
 child, so a test can check that the whole process group is stopped. ``FAKE_LLAMA_DIE=MESSAGE`` in its
@@ -69,7 +70,7 @@ def alive(pid: int) -> bool:
 class _Counters:
     def __init__(self):
         self.lock = threading.Lock()
-        self.drafts = self.drafted = self.accepted = self.answered = 0
+        self.drafts = self.drafted = self.accepted = self.answered = self.requests = 0
         self.per_pos: list[int] = []
 
     def add(self, n: int) -> tuple[int, int]:
@@ -96,7 +97,7 @@ class _Counters:
         return "\n".join(out) + "\n"
 
 
-def _handler(counters: _Counters, ready_at: float, model: str = ""):
+def _handler(counters: _Counters, ready_at: float, model: str = "", speculating: bool = True):
     class Handler(BaseHTTPRequestHandler):
         def _send(self, code: int, body, kind: str = "application/json"):
             data = (body if isinstance(body, str) else json.dumps(body)).encode()
@@ -139,7 +140,12 @@ def _handler(counters: _Counters, ready_at: float, model: str = ""):
                 self._send(400, {"error": {"code": 400, "message": "empty prompt"}})
                 return
             tokens = [prompt[-1] + 1 + i for i in range(n)]
-            draft_n, accepted = counters.add(n)
+            draft_n, accepted = counters.add(n) if speculating else (0, 0)
+            if speculating:  # the drafter's cumulative statistics line, logged as the real server does at trace level
+                counters.requests += 1
+                r = counters.requests
+                print(f"statistics fake: #calls(b,g,a) = {r} {r * n} {r * n}, dur(b,g,a) = 0.000, {0.5 * r:.3f}, "
+                      f"{0.1 * r:.3f} ms", file=sys.stderr, flush=True)
             probs = [{"id": t, "token": f"t{t}", "bytes": [], "logprob": -0.25,
                       "top_logprobs": [{"id": t + j, "token": f"t{t + j}", "bytes": [], "logprob": -0.25 - 2 * j}
                                        for j in range(int(body.get("n_probs", 0)))]} for t in tokens]
@@ -167,7 +173,7 @@ def main(argv: list[str]) -> None:
     (here / STATE).write_text(json.dumps({"argv": argv, "pid": os.getpid(), "child": child.pid,
                                           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}))
     server = ThreadingHTTPServer(("127.0.0.1", port), _handler(_Counters(), time.monotonic() + 0.3,
-                                                                      argv[argv.index("-m") + 1]))
+                                                                      argv[argv.index("-m") + 1], "--spec-type" in argv))
     print(f"main: server is listening on http://127.0.0.1:{port}", flush=True)
     server.serve_forever()
 

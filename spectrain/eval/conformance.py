@@ -77,10 +77,18 @@ def markdown(rows: list[dict], agreement: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def load_records(path) -> list[dict]:
+def load_report(path) -> dict:
+    """A spectrain eval report ({"meta", "records"}); ValueError naming the path when it is not one."""
     p = Path(path)
     p = p / "report.json" if p.is_dir() else p
     try:
-        return json.loads(p.read_text())["records"]
-    except (OSError, ValueError, KeyError) as e:
+        rep = json.loads(p.read_text())
+        if not isinstance(rep.get("records"), list):
+            raise KeyError("records")
+        return rep
+    except (OSError, ValueError, KeyError, AttributeError) as e:
         raise ValueError(f"--conform-to {path}: not a spectrain eval report ({type(e).__name__}: {e})") from e
+
+
+def load_records(path) -> list[dict]:
+    return load_report(path)["records"]
