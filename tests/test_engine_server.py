@@ -137,6 +137,39 @@ def test_regenerate_stops_at_once_when_the_engine_dies_and_resumes(engine, tmp_p
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [f"r{i}" for i in range(40)]
 
 
+def test_regenerate_through_the_engine_names_every_sampler_and_each_row_records_it(engine, tmp_path, monkeypatch):
+    monkeypatch.setattr(llama_cpp, "require", lambda: engine)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    out = tmp_path / "out" / "regen.jsonl"
+    assert cli_main(["regenerate", str(_recipe(tmp_path, gguf, 8)), "--out", str(out), "--engine", "llama.cpp",
+                     "--parallel", "2", "--threads", "1", "--max-new-tokens", "2", "--temperature", "0,1"]) == 0
+    chats = [r for r in fake.requests(engine.root) if "messages" in r]
+    assert len(chats) == 8  # llama-server's defaults (top-k 40, top-p 0.95, min-p 0.05) never apply
+    assert {(r["top_k"], r["top_p"], r["min_p"], r["typical_p"], r["repeat_penalty"]) for r in chats} == \
+        {(0, 1.0, 0.0, 1.0, 1.0)}
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert {r["temperature"] for r in rows} == {0.0, 1.0}
+    assert sorted(r["temperature"] for r in chats) == sorted(r["temperature"] for r in rows)
+    assert all(r["sampler"] == {"temperature": r["temperature"], "top_k": 0, "top_p": 1.0, "min_p": 0.0} for r in rows)
+
+
+@pytest.mark.parametrize("temp", ["1e9", "1e-6", "nan", "inf", "0,1e9"])
+def test_a_temperature_the_decoder_refuses_is_refused_by_every_regenerate_path(engine, tmp_path, capsys, monkeypatch,
+                                                                             temp):
+    monkeypatch.setattr(llama_cpp, "require", lambda: engine)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    recipe = str(_recipe(tmp_path, gguf, 2))
+    for path in (["--engine", "llama.cpp"], ["--server", "http://127.0.0.1:9"], []):  # engine, server, in-process
+        out = tmp_path / f"o{len(path)}.jsonl"
+        assert cli_main(["regenerate", recipe, "--out", str(out), "--temperature", temp, *path]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "error: --temperature" in err[0] and str(float(temp.split(",")[-1])) in err[0], err
+        assert "outside the supported range" in err[0] or "finite" in err[0]
+    assert not engine.binary(fake.STATE).exists()  # no server was started
+
+
 BENCH = """#!/bin/sh
 echo $$ > "{pid}"; sleep 60 & echo $! > "{child}"; wait
 """

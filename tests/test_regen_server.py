@@ -77,7 +77,13 @@ def test_server_answers_equal_in_process_and_resume_after_an_outage(target, reci
     assert "answers " in said and "truncated at max_new_tokens " in said
     got = _read(out)
     assert [r["id"] for r in got] == ids  # input order, no row lost or doubled
-    assert got == _read(local)  # the server decodes what the in-process path decodes
+    # the server decodes what the in-process path decodes; each row says which sampler wrote it: spectrain's own
+    # (no truncation) in-process, the temperature alone through a server that was sent nothing else (its defaults)
+    mine = _read(local)
+    assert [r.pop("sampler") for r in mine] == [{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}] * N_ROWS
+    assert [r.pop("sampler") for r in got] == [{"temperature": 0.0, "top_k": None, "top_p": None, "min_p": None}] * \
+        N_ROWS
+    assert got == mine
     assert len(got[-1]["messages"]) == 4 and got[-1]["messages"][1]["content"] != "Blue."
 
 

@@ -21,6 +21,7 @@ from spectrain.data.regen_server import (
 from spectrain.decoding.left_padded import left_padded_decode
 from spectrain.decoding.sampling import Sampler
 from spectrain.decoding.step import resolve_eos
+from spectrain.decoding.validate import check_sampling
 
 
 @dataclass
@@ -59,6 +60,11 @@ class RegenConfig:
                          (self.batch_size <= 0, f"--batch-size {self.batch_size}: must be > 0")):
             if bad:
                 raise ValueError(msg)
+        for t in _as_list(self.temperature):  # what the decoder's sampler accepts, for every path (server, engine)
+            try:
+                check_sampling(t, 1.0, 0)
+            except ValueError as e:
+                raise ValueError(f"--temperature {self.temperature}: {e}") from None
         return self
 
 

@@ -27,7 +27,8 @@ only who decodes differs. Stdlib only (urllib + a thread pool): one request per 
   ``--reasoning strip`` drops reasoning (``reasoning_content`` and ``<think>...</think>`` blocks, and an
   unclosed block cut by max_new_tokens), leaving the answer only.
 - Sampling (T > 0) sends the row's seed (seed, id, turn) as the request's ``seed``; a server that honours it
-  (vLLM does) gives the same answer on a rerun.
+  (vLLM does) gives the same answer on a rerun. ``ServerConfig.samplers`` go into every request, and each row
+  records its sampler (``"sampler"``; None = not sent: the server's default; regenerate.py says why).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import urllib.parse
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from spectrain.io.outputs import open_nofollow
@@ -61,6 +62,7 @@ MAX_BYTES_PER_TOKEN = 256  # no vocabulary's token decodes to more: an answer be
 _BODY_SLACK = 64 * 1024  # JSON framing, ids, usage and error text around the answer
 _sleep = threading.Event.wait  # (stop event, seconds): a stopped client waits no more; tests record the waits
 _FSYNC_EVERY_S = 2.0
+SAMPLER_KEYS = ("top_k", "top_p", "min_p")  # recorded per row beside the temperature (None: not sent)
 
 
 class ServerConfigError(ValueError):
@@ -88,6 +90,7 @@ class ServerConfig:
     retries: int = 5
     timeout_s: float = 600.0
     gone: Callable[[], str | None] | None = None  # a server spectrain started: why it is gone (None: it runs)
+    samplers: dict = field(default_factory=dict)  # sampler fields sent with every request (beside the temperature)
 
     def validate(self) -> ServerConfig:
         if not self.urls:
@@ -100,7 +103,6 @@ class ServerConfig:
             if bad:
                 raise ValueError(msg)
         return self
-
 
 
 # ---- shared with local regeneration (regenerate.py): the per-row seed and the resume scan ----
@@ -166,10 +168,8 @@ class ChatClient:
         self._stopped.set()
 
     def _check_gone(self) -> None:
-        """A server spectrain started that exited fails every remaining request: the run stops now, not after
-        --retries backoffs for each row against a dead port."""
-        why = self.cfg.gone() if self.cfg.gone is not None else None
-        if why:
+        """A dead server fails every remaining request: stop now, not after --retries backoffs per row."""
+        if self.cfg.gone is not None and (why := self.cfg.gone()):
             self._fatal = ServerConfigError(f"{why}; the rows written so far are kept: rerun the same command to resume")
             raise self._fatal
 
@@ -348,10 +348,11 @@ def apply_reasoning(content: str, reasoning: str, mode: str) -> str:
     return content
 
 
-def row_record(row_id: str, conv: list[dict], regen) -> dict:
-    """A regenerated row; under a temperature mix it says which temperature wrote it."""
-    extra = {"temperature": regen.row_temperature(row_id)} if isinstance(regen.temperature, list) else {}
-    return {"id": row_id, "messages": conv, **extra}
+def row_record(row_id: str, conv: list[dict], regen, sampler: dict | None = None) -> dict:
+    """A regenerated row, its sampler (default: spectrain's own, p at T untruncated) and, under a mix, its T."""
+    t, mix = regen.row_temperature(row_id), isinstance(regen.temperature, list)
+    return {"id": row_id, "messages": conv, **({"temperature": t} if mix else {}),
+            "sampler": sampler or {"temperature": t, "top_k": 0, "top_p": 1.0, "min_p": 0.0}}
 
 
 def answer_row(client: ChatClient, row: dict, regen, body_extra: dict) -> tuple[dict, Counter]:
@@ -364,7 +365,7 @@ def answer_row(client: ChatClient, row: dict, regen, body_extra: dict) -> tuple[
         start = idx + 1
         temperature = regen.row_temperature(row["id"])
         body = {"model": client.cfg.model, "messages": conv, "max_tokens": regen.max_new_tokens,
-                "temperature": temperature, **body_extra}
+                **client.cfg.samplers, "temperature": temperature, **body_extra}
         if temperature > 0:
             body["seed"] = _row_seed(regen.seed, row["id"], turn) % 2**31
         try:
@@ -384,7 +385,8 @@ def answer_row(client: ChatClient, row: dict, regen, body_extra: dict) -> tuple[
         counts["answers"] += 1
         counts["truncated"] += int(truncated)
         conv.append({"role": "assistant", "content": text})
-    return row_record(row["id"], conv, regen), counts
+    sent = {"temperature": regen.row_temperature(row["id"]), **{k: client.cfg.samplers.get(k) for k in SAMPLER_KEYS}}
+    return row_record(row["id"], conv, regen, sent), counts
 
 
 def _parse(resp: dict, mode: str) -> tuple[str, bool, int]:

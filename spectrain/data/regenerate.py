@@ -22,6 +22,10 @@ to the conversation so far (earlier turns already regenerated), rendered by the 
   at a time, with retries; rows it could not answer are counted as failed and retried by a rerun
   (spectrain/data/regen_server.py). ``data.chat_template_kwargs`` / ``--chat-template-kwargs`` (e.g.
   ``{"enable_thinking": false}`` for Qwen3) and ``--reasoning keep|strip`` apply to both paths.
+- ``--engine llama.cpp``: spectrain starts llama-server on the GGUF target and answers through it, naming every
+  sampler in each request (top-k 0, top-p 1, min-p 0 ...: the server's defaults would truncate the distribution),
+  so a T = 1 row samples the target's distribution as the in-process path does; the same temperatures are refused
+  (``RegenConfig.validate``: spectrain's sampling check). Every row records its sampler (``"sampler"``).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from spectrain.data.regen_server import (
     write_part_server,
 )
 from spectrain.engines import llama_cpp
-from spectrain.engines.server import LlamaServer
+from spectrain.engines.server import NEUTRAL_SAMPLERS, LlamaServer
 from spectrain.io.outputs import check_file_placement, exclusive_lock, open_nofollow, write_text_safe
 from spectrain.io.progress import Progress
 from spectrain.recipe.load import load_recipe
@@ -217,7 +221,8 @@ def regenerate(recipe_path: str, overrides: list[str], out: str | Path, cfg: Reg
             "train_files": list(recipe.data.train_files), "max_rows": recipe.data.max_rows,
             "input_sha256": _rows_digest(rows), "world_size": world, **asdict(cfg)}
     if server is not None:  # the URLs and the concurrency may change between runs; who answers may not
-        meta.update(dtype="server", server_model=server.model)
+        meta.update(dtype="server", server_model=server.model, **({"samplers": server.samplers} if server.samplers
+                                                                    else {}))
     part = out.with_name(f"{out.name}.rank{rank}.tmp" if world > 1 else f"{out.name}.tmp")
     _check_out(out, recipe, part)
     with exclusive_lock(_lock_path(part), f"--out {out}"):
@@ -358,6 +363,7 @@ def engine_target(recipe) -> Path:
 
 def _regenerate_with_engine(args: argparse.Namespace, cfg: RegenConfig) -> RegenStats:
     """Start llama-server on the target (args.parallel slots), answer through it, stop it, whatever happens."""
+    cfg.validate()  # a temperature the decoder refuses is refused before a server loads the model
     if args.parallel < 1 or args.threads < 1 or args.ctx <= cfg.max_new_tokens:
         raise ValueError(f"--parallel {args.parallel} / --threads {args.threads} must be >= 1 and --ctx {args.ctx} "
                          f"> --max-new-tokens {cfg.max_new_tokens}")
@@ -369,8 +375,10 @@ def _regenerate_with_engine(args: argparse.Namespace, cfg: RegenConfig) -> Regen
           f"{args.ctx} tokens, {args.threads} threads (log {log})", flush=True)
     with LlamaServer(engine, gguf, threads=args.threads, ctx=args.ctx, parallel=args.parallel, spin=args.spin,
                      log=log, timeout=args.timeout) as srv:
+        # every sampler named: llama-server's defaults (top-k 40, top-p 0.95, min-p 0.05) would truncate the target's
+        # distribution, and "T = 1" rows would not be what in-process regeneration writes (engines/server.py)
         server = ServerConfig(urls=[srv.url], model=str(gguf), concurrency=args.parallel, retries=args.retries,
-                              timeout_s=args.timeout, gone=srv.gone).validate()
+                              timeout_s=args.timeout, gone=srv.gone, samplers=dict(NEUTRAL_SAMPLERS)).validate()
         return regenerate(args.recipe, args.overrides, args.out, cfg, server=server)
 
 
