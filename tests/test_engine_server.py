@@ -133,6 +133,12 @@ def test_regenerate_stops_at_once_when_the_engine_dies_and_resumes(engine, tmp_p
     kept = (out.parent / "regen.jsonl.tmp").read_text().splitlines()
     assert len(kept) == 3 and not out.exists()
     monkeypatch.delenv("FAKE_LLAMA_EXIT_AFTER")
+    meta = out.parent / "regen.jsonl.tmp.meta.json"
+    settings = json.loads(meta.read_text())
+    meta.write_text(json.dumps({k: v for k, v in settings.items() if k != "samplers"}))  # rows of an older client
+    assert cli_main(args) == 2  # rows sampled with the server's defaults are not mixed with untruncated ones
+    assert "samplers: None ->" in capsys.readouterr().err
+    meta.write_text(json.dumps(settings))
     assert cli_main(args) == 0  # the rerun resumes after the rows already written
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [f"r{i}" for i in range(40)]
 
