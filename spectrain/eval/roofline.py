@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spectrain.drafters.costs import ModelCost, config_dims, layer_params  # shared with the families' hooks
+
 
 @dataclass(frozen=True)
 class Accelerator:
@@ -82,39 +84,10 @@ def deployment(gpu: str | None, bandwidth_gbps: float | None = None, tflops: flo
                        None if tflops is None else tflops * 1e12)
 
 
-@dataclass(frozen=True)
-class ModelCost:
-    """What one forward of a model costs, per the module docstring."""
-
-    weight_bytes: float
-    params: float  # weights touched per token (2 FLOPs each)
-    kv_bytes_per_token: float
-    layers: int = 0
-    attn_dim: int = 0  # heads * head_dim
-
-    def time(self, acc: Accelerator, batch: int, tokens: int, context: int) -> float:
-        mem = self.weight_bytes + batch * context * self.kv_bytes_per_token
-        flops = batch * tokens * (2 * self.params + 4 * self.layers * self.attn_dim * context)
-        return max(mem / acc.bandwidth, flops / acc.flops)
-
-
-def _dims(cfg) -> dict:
-    g = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
-    h, nh = int(g("hidden_size")), int(g("num_attention_heads"))
-    hd = int(g("head_dim") or h // nh)
-    return dict(h=h, nh=nh, hd=hd, nkv=int(g("num_key_value_heads") or nh), n=int(g("num_hidden_layers")),
-                inter=int(g("intermediate_size")), vocab=int(g("vocab_size")), tied=bool(g("tie_word_embeddings", False)))
-
-
-def _layer_params(h: int, nh: int, nkv: int, hd: int, inter: int, attn_in: int | None = None) -> int:
-    attn_in = attn_in or h
-    return attn_in * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter
-
-
 def target_cost(cfg, dtype_bytes: int = 2) -> ModelCost:
     """Llama-style decoder (Llama, Qwen, Mistral ...) from its HF config (object or dict)."""
-    d = _dims(cfg)
-    params = d["n"] * _layer_params(d["h"], d["nh"], d["nkv"], d["hd"], d["inter"]) + d["vocab"] * d["h"]  # + lm_head
+    d = config_dims(cfg)
+    params = d["n"] * layer_params(d["h"], d["nh"], d["nkv"], d["hd"], d["inter"]) + d["vocab"] * d["h"]  # + lm_head
     return ModelCost(weight_bytes=params * dtype_bytes, params=params,
                      kv_bytes_per_token=2 * d["n"] * d["nkv"] * d["hd"] * dtype_bytes,
                      layers=d["n"], attn_dim=d["nh"] * d["hd"])
@@ -123,9 +96,9 @@ def target_cost(cfg, dtype_bytes: int = 2) -> ModelCost:
 def eagle3_cost(target_cfg, draft_vocab: int = 32000, dtype_bytes: int = 2) -> ModelCost:
     """An EAGLE-3 head sized like spectrain builds it for this target: fc (3H -> H), one decoder layer
     whose attention reads 2H, lm_head over the draft vocabulary."""
-    d = _dims(target_cfg)
+    d = config_dims(target_cfg)
     h = d["h"]
-    params = 3 * h * h + _layer_params(h, d["nh"], d["nkv"], d["hd"], d["inter"], attn_in=2 * h) + draft_vocab * h
+    params = 3 * h * h + layer_params(h, d["nh"], d["nkv"], d["hd"], d["inter"], attn_in=2 * h) + draft_vocab * h
     return ModelCost(weight_bytes=params * dtype_bytes, params=params,
                      kv_bytes_per_token=2 * d["nkv"] * d["hd"] * dtype_bytes, layers=1, attn_dim=d["nh"] * d["hd"])
 

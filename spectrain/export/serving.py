@@ -18,15 +18,24 @@ num_steps + 1 at topk 1), spectrain's ``total`` counts draft nodes only: hence t
 
 from __future__ import annotations
 
-import json
-import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from spectrain import registry
-from spectrain.recipe.deploy import ENGINE_NAMES, ENGINES, NO_MEDUSA
+from spectrain.recipe.deploy import (
+    ENGINE_NAMES,
+    ENGINES,
+    NO_MEDUSA,
+    Decode,
+    ServeCommand,
+    sglang_command,
+    static_tree_note,
+    trtllm_command,
+    vllm_command,
+)
 
-__all__ = ["ENGINES", "ENGINE_NAMES", "ServeCommand", "parse_tree", "readme_section", "resolve_decode", "serve_commands"]
+# ServeCommand and Decode live below the families (spectrain/recipe/deploy.py), whose serve hooks build them
+__all__ = ["ENGINES", "ENGINE_NAMES", "Decode", "ServeCommand", "parse_tree", "readme_section", "resolve_decode",
+           "serve_commands"]
 
 _VLLM_DOC = "vLLM docs features/speculative_decoding (`vllm serve MODEL --speculative-config JSON`)"
 _VLLM_CFG = "vllm/config/speculative.py SpeculativeConfig"
@@ -89,7 +98,6 @@ class _FormatEngines(Mapping):
 FORMAT_ENGINES = _FormatEngines()
 
 
-
 def parse_tree(spec: str) -> dict:
     """'topk=4,depth=5,total=32' -> {'topk': 4, 'depth': 5, 'total_tokens': 32}."""
     names = {"topk": "topk", "depth": "depth", "total": "total_tokens", "total_tokens": "total_tokens"}
@@ -106,137 +114,51 @@ def parse_tree(spec: str) -> dict:
     return tree
 
 
-@dataclass
-class ServeCommand:
-    engine: str
-    argv: list[str]  # the serve command, one shell word per item
-    config: dict | None = None  # TensorRT-LLM: the YAML written next to the command
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def flags(self) -> dict:
-        """The flag and config names the command uses -> values (for the table check and the tests)."""
-        out: dict = {}
-        words = self.argv
-        for i, w in enumerate(words):
-            if w.startswith("--"):
-                out[w] = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else True
-        spec = out.get("--speculative-config")
-        if isinstance(spec, str):
-            out.update(json.loads(spec))
-        if self.config:
-            out["speculative_config"] = True
-            out.update(self.config["speculative_config"])
-        return out
-
-    def text(self) -> str:
-        """Copy-paste shell: the YAML as a heredoc (TensorRT-LLM), then the command with one flag per line."""
-        lines = []
-        if self.config is not None:
-            lines += [f"cat > {CONFIG_FILE} <<'EOF'", *_yaml(self.config), "EOF"]
-        head, rest = [], list(self.argv)
-        while rest and not rest[0].startswith("--"):
-            head.append(rest.pop(0))
-        parts = [" ".join(shlex.quote(w) if i else w for i, w in enumerate(head))]
-        while rest:
-            flag = rest.pop(0)
-            val = [] if not rest or rest[0].startswith("--") else [shlex.quote(rest.pop(0))]
-            parts.append(" ".join([flag, *val]))
-        return "\n".join(lines + [" \\\n    ".join(parts)])
-
-
-CONFIG_FILE = "spectrain-speculative.yaml"
-
-
-def _yaml(config: dict, indent: str = "") -> list[str]:
-    out = []
-    for k, v in config.items():
-        if isinstance(v, dict):
-            out += [f"{indent}{k}:", *_yaml(v, indent + "  ")]
-        else:
-            out.append(f"{indent}{k}: {json.dumps(v)}")  # JSON scalars and lists are valid YAML
-    return out
-
-
-@dataclass
-class Decode:
-    """What was evaluated: a chain of ``k`` or an EAGLE-2 dynamic tree (``tree``: topk, depth, total_tokens)."""
-    k: int
-    tree: dict | None = None
-
-    @property
-    def label(self) -> str:
-        t = self.tree
-        return f"k={self.k}" if t is None else f"tree topk={t['topk']},depth={t['depth']},total={t['total_tokens']}"
-
-
-def _vllm(method: str, target: str, model_dir: str, k: int) -> ServeCommand:
-    spec = {"method": method, "model": model_dir, "num_speculative_tokens": k}
-    return ServeCommand("vllm", ["vllm", "serve", target, "--speculative-config", json.dumps(spec)])
-
-
-def _sglang(algorithm: str, target: str, model_dir: str, steps: int, topk: int, nodes: int) -> ServeCommand:
-    return ServeCommand("sglang", ["python", "-m", "sglang.launch_server", "--model-path", target,
-                                   "--speculative-algorithm", algorithm, "--speculative-draft-model-path", model_dir,
-                                   "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
-                                   "--speculative-num-draft-tokens", str(nodes + 1)])
-
-
-def _trtllm(backend: str, target: str, spec: dict) -> ServeCommand:
-    return ServeCommand("trtllm", ["trtllm-serve", target, "--backend", backend, "--extra_llm_api_options",
-                                   CONFIG_FILE], config={"speculative_config": spec})
-
-
-def _static_tree_note(engine: str, d: Decode, what: str) -> str:
-    return (f"{ENGINE_NAMES[engine]}: the evaluated {d.label} is a dynamic tree, which {what}; this command serves "
-            f"a chain of {d.k} (evaluate `--k {d.k}` to know what that gives)")
-
-
 def eagle3_commands(engine: str, target: str, model_dir: str, d: Decode, capture: list[int] | None) -> ServeCommand:
     t = d.tree
     if engine == "vllm":
-        cmd = _vllm("eagle3", target, model_dir, d.k)
+        cmd = vllm_command("eagle3", target, model_dir, d.k)
         if t:
-            cmd.notes.append(_static_tree_note("vllm", d, "vLLM does not implement (its speculative_token_tree "
+            cmd.notes.append(static_tree_note("vllm", d, "vLLM does not implement (its speculative_token_tree "
                                                           "is a static tree literal)"))
         return cmd
     if engine == "sglang":
-        return _sglang("EAGLE3", target, model_dir, d.k, t["topk"] if t else 1, t["total_tokens"] if t else d.k)
+        return sglang_command("EAGLE3", target, model_dir, d.k, t["topk"] if t else 1, t["total_tokens"] if t else d.k)
     spec = {"decoding_type": "Eagle3", "max_draft_len": d.k, "speculative_model": model_dir}
     if capture is not None:
         spec["eagle3_layers_to_capture"] = capture
     if t:
         spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=t["topk"], max_total_draft_tokens=t["total_tokens"])
-    return _trtllm("pytorch", target, spec)
+    return trtllm_command("pytorch", target, spec)
 
 
 def medusa_commands(engine: str, target: str, model_dir: str, d: Decode, num_heads: int) -> ServeCommand:
     if engine == "vllm":
-        cmd = _vllm("medusa", target, model_dir, d.k)
+        cmd = vllm_command("medusa", target, model_dir, d.k)
         cmd.notes.append(f"{NO_MEDUSA['vllm']}: this command is for the vLLM releases that loaded Medusa (V1 engine "
                          "from PR #17956, May 2025; see spectrain's docs/export.md); on vLLM 0.33 serve an EAGLE-3 "
                          "head instead")
     else:
         chain = [[0] * i for i in range(1, d.k + 1)]  # path i = the top-1 token of heads 1..i
-        cmd = _trtllm("tensorrt", target, {"decoding_type": "Medusa", "max_draft_len": d.k,
+        cmd = trtllm_command("tensorrt", target, {"decoding_type": "Medusa", "max_draft_len": d.k,
                                            "speculative_model": model_dir, "num_medusa_heads": num_heads,
                                            "medusa_choices": chain})
     if d.tree:
-        cmd.notes.append(_static_tree_note(engine, d, "a static medusa_choices tree cannot reproduce" if
+        cmd.notes.append(static_tree_note(engine, d, "a static medusa_choices tree cannot reproduce" if
                                            engine == "trtllm" else "this Medusa path does not implement"))
     return cmd
 
 
 def draft_commands(engine: str, target: str, model_dir: str, d: Decode) -> ServeCommand:
     if engine == "vllm":
-        cmd = _vllm("draft_model", target, model_dir, d.k)
+        cmd = vllm_command("draft_model", target, model_dir, d.k)
     elif engine == "sglang":
-        cmd = _sglang("STANDALONE", target, model_dir, d.k, 1, d.k)
+        cmd = sglang_command("STANDALONE", target, model_dir, d.k, 1, d.k)
     else:
-        cmd = _trtllm("pytorch", target, {"decoding_type": "DraftTarget", "max_draft_len": d.k,
+        cmd = trtllm_command("pytorch", target, {"decoding_type": "DraftTarget", "max_draft_len": d.k,
                                           "speculative_model": model_dir})
     if d.tree:
-        cmd.notes.append(_static_tree_note(engine, d, "is spectrain's own draft-model tree (top-m first tokens, "
+        cmd.notes.append(static_tree_note(engine, d, "is spectrain's own draft-model tree (top-m first tokens, "
                                                       "each extended greedily)"))
     return cmd
 

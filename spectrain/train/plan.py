@@ -28,6 +28,7 @@ from pathlib import Path
 from spectrain import registry
 from spectrain.data.chat import is_heldout, load_conversations, tokenize_conversations
 from spectrain.data.features import bytes_per_token
+from spectrain.drafters.costs import Shape, TrainingCost
 from spectrain.io.disk import free_bytes, gib, require_disk
 
 DEFAULT_MFU = 0.17  # measured once: see the module doc
@@ -81,55 +82,6 @@ def batch_split_problem(global_batch: int, micro: int, gpus: int) -> str:
 def gpu_from_device_name(device_name: str) -> str | None:
     """The table's name for a CUDA device name such as 'NVIDIA H100 80GB HBM3', or None."""
     return next((n for n in GPUS if n in device_name.upper()), None)
-
-
-# ---- model shapes ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class Shape:
-    layers: int
-    hidden: int
-    inter: int
-    heads: int
-    kv: int
-    head_dim: int
-    vocab: int
-    tied: bool
-
-    @classmethod
-    def of(cls, cfg) -> Shape:
-        heads = cfg.num_attention_heads
-        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, heads,
-                   getattr(cfg, "num_key_value_heads", None) or heads, hd, cfg.vocab_size,
-                   bool(getattr(cfg, "tie_word_embeddings", False)))
-
-    def layer(self, in_mult: int = 1, inter: int = 0, heads: int = 0) -> int:
-        """Matmul weights of one decoder layer (attention input `in_mult` x H wide, as EAGLE-3's first layer)."""
-        h, q = self.hidden, (heads or self.heads) * self.head_dim
-        kv = self.kv * self.head_dim if not heads or heads == self.heads else q
-        return in_mult * h * (q + 2 * kv) + q * h + 3 * h * (inter or self.inter)
-
-    def params(self) -> int:
-        """All weights (embedding + layers + lm_head)."""
-        return self.layers * self.layer() + self.vocab * self.hidden * (1 if self.tied else 2)
-
-    def matmul(self) -> int:
-        """Weights a token's forward multiplies by: the layers and the lm_head (not the embedding lookup)."""
-        return self.layers * self.layer() + self.vocab * self.hidden
-
-
-@dataclass
-class TrainingCost:
-    """What training one drafter costs per token: weights, FLOPs and the bytes a micro-batch keeps."""
-
-    params: int  # all weights of the drafter
-    trained: int  # weights the optimizer updates
-    train_flops: float  # per token, forward + backward
-    logits_bytes: float  # per token of a micro-batch: the loss's fp32 logit copies
-    act_bytes: float  # per token: other activations kept for backward
-    n_aux: int  # aux hidden states in the feature cache
 
 
 def eagle3_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0) -> TrainingCost:
