@@ -1,44 +1,56 @@
 """One record per drafter family: everything the pipeline needs to know about a family, in one place.
 
 A family is one module (or folder) under spectrain/drafters/ plus one ``register(Family(...))`` line here;
-recipes name it with ``drafter.kind`` and configure it in the ``drafter.<kind>`` section (``section``).
+recipes name it with ``drafter.kind`` and configure it in the ``drafter.<kind>`` section (``train.section``).
 References are "module:attribute" strings, resolved on use, so importing spectrain (or training one family)
-never imports every family's dependencies, and this module sits below every other layer. No module outside a
-family's own (its drafters/ module or folder and its export/ module) compares ``drafter.kind`` with a family's
-name: what differs between families is a hook or a capability here (tests/test_family_names.py enforces it).
+never imports every family's dependencies, and this module sits below every other layer. Every hook a
+built-in family declares lives in its own drafters/ module or folder; only its exporters live in
+spectrain/export/<format>.py (one function per format). No module outside a family's own compares
+``drafter.kind`` with a family's name: what differs between families is a hook or a capability here
+(tests/test_family_names.py enforces it).
 
-The record holds (hooks are "module:function" strings or callables; "" = the default named):
-- ``head``: the trained module class, a ``TrainableHead`` (the training loop's side);
+The record is grouped by who reads it; hooks are "module:function" strings or callables, "" = the default named.
+
+``Family.train`` (``TrainSide``; recipe validation, ``spectrain check``, the training loop, the plan):
+- ``head``: the trained module class, a ``TrainableHead``;
+- ``features``: the target features it reads, a ``FeatureSpec`` or ``(recipe, target) -> FeatureSpec``
+  (the aux layer ids depend on the recipe and the target): read by training and the offline feature cache;
 - ``build``: ``(recipe, target, token_counts) -> head`` (default: ``head.from_recipe``);
-- ``drafter``: ``(path, target) -> Drafter``, the decoding side loaded from a saved head;
 - ``section``: the dataclass of its recipe keys (``drafter.<kind>``), or None for a family the recipe
   schema already carries;
-- ``features``: the target features it reads, a ``FeatureSpec`` or ``(recipe, target) -> FeatureSpec``
-  (the aux layer ids depend on the recipe and the target): read by the offline feature cache;
+- ``validate``: ``(recipe)`` raising ValueError, run by recipe validation; ``preflight``: ``(recipe,
+  target_config, tokenizer)`` raising ValueError before any compute (`spectrain check` and `train`);
+- ``cost``: ``(recipe, target_shape, student_shape or None, tokens_per_row) -> costs.TrainingCost`` (the
+  plan's FLOPs and sizes; default: none, and the plan says so); ``cost_config``: ``(recipe) -> HF config or
+  None``, a model config of its own the cost reads (a draft LM's);
+- ``run_inputs``: ``(recipe) -> [(what, path)]``, inputs a run reads beyond the target, data and cache.
+
+``Family.decode`` (``DecodeSide``; load_drafter, ``spectrain eval``, its roofline):
+- ``drafter``: ``(path, target) -> Drafter``, the decoding side loaded from a saved head;
+- ``deploy_cost``: ``(target_config, head_config, dtype_bytes) -> costs.ModelCost`` (the head spectrain
+  would build for a target; default: the loaded module's measured size).
+
+``Family.serve`` (``ServeSide``; ``spectrain export`` and the serve commands it prints):
 - ``exports``: export format name -> ("module:export_function", "module:validate_function");
 - ``engines``: export format -> the serving engines that load it (spectrain/export/serving.py prints their
-  commands); ``serve``: ``(engine, target, model_dir, decode, head_config) -> ServeCommand``;
-  ``serve_k``: ``(head_config, k or None) -> k`` (the draft length served when --k is not given, and the
-  family's limit; default: 5, ``spectrain eval``'s default, without a limit);
+  commands); ``command``: ``(engine, target, model_dir, decode, head_config) -> ServeCommand``;
+- ``k``: ``(head_config, k or None) -> k`` (the draft length served when --k is not given, and the family's
+  limit; default: 5, ``spectrain eval``'s default, without a limit);
 - ``engine_problems``: ``(engine, layout_flags, sliding, num_layers, aux) -> [why engine cannot serve it]``
-  (default: every engine can);
-- ``preflight``: ``(recipe, target_config, tokenizer)`` raising ValueError before any compute (`spectrain
-  check` and `train`); ``validate``: ``(recipe)`` raising ValueError, run by recipe validation;
-- ``cost``: ``(recipe, target_shape, student_shape or None, tokens_per_row) -> plan.DraftCost`` (the plan's
-  FLOPs and sizes; default: none, and the plan says so); ``cost_config``: ``(recipe) -> HF config or None``,
-  a model config of its own the cost reads (a draft LM's);
-- ``run_inputs``: ``(recipe) -> [(what, path)]``, inputs a run reads beyond the target, data and cache;
-- ``deploy_cost``: ``(target_config, head_config, dtype_bytes) -> roofline.ModelCost`` (the head spectrain
-  would build for a target; default: the loaded module's measured size);
-- ``capabilities``: what the shared machinery may do with it: "packing" (training.packing), "rollout"
-  (drafter.eagle3.rollout), "on_policy" (training.on_policy), "one_pass" (all k drafts from one forward).
+  (default: every engine can); recipe validation refuses a ``deploy.engine`` it names.
+
+``Family.capabilities``: what the shared machinery may do with it: "packing" (training.packing), "rollout"
+(drafter.eagle3.rollout), "on_policy" (training.on_policy), "one_pass" (all k drafts from one forward).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+Ref = str | Callable[..., Any]  # "module:attribute", resolved on use, or the object itself (tests)
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,9 +94,9 @@ class FeatureSpec:
 
 @runtime_checkable
 class TrainableHead(Protocol):
-    """The training half of a family's contract: what spectrain/train/loop.py calls on ``Family.head``.
+    """The training half of a family's contract: what spectrain/train/loop.py calls on ``Family.train.head``.
 
-    Built by ``Family.build`` or ``head.from_recipe(recipe, target, token_counts)``; an ``nn.Module``."""
+    Built by ``Family.train.build`` or ``head.from_recipe(recipe, target, token_counts)``; an ``nn.Module``."""
 
     def feature_spec(self) -> FeatureSpec | dict:
         """The target features ``train_loss`` reads (online: computed per batch; offline: from the cache)."""
@@ -93,30 +105,56 @@ class TrainableHead(Protocol):
         """(loss tensor, metrics: floats logged per step, e.g. acc_i / sim_tau from train/metrics.py)."""
 
     def save_pretrained(self, path, state_dict: dict | None = None) -> None:
-        """``drafter_config.json`` + weights: what ``Family.drafter`` and the exporters read back."""
+        """``drafter_config.json`` + weights: what ``Family.decode.drafter`` and the exporters read back."""
+
+
+@dataclass(frozen=True)
+class TrainSide:
+    """What recipe validation, `spectrain check`, the training loop and the plan read (module doc)."""
+
+    head: Ref
+    features: FeatureSpec | Ref
+    build: Ref = ""
+    section: type | None = None
+    validate: Ref = ""
+    preflight: Ref = ""
+    cost: Ref = ""
+    cost_config: Ref = ""
+    run_inputs: Ref = ""
+
+
+@dataclass(frozen=True)
+class DecodeSide:
+    """What load_drafter and `spectrain eval` read (module doc)."""
+
+    drafter: Ref
+    deploy_cost: Ref = ""
+
+
+@dataclass(frozen=True)
+class ServeSide:
+    """What `spectrain export` and the serve commands read (module doc)."""
+
+    exports: dict[str, tuple[Ref, Ref]] = field(default_factory=dict)
+    engines: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    command: Ref = ""
+    k: Ref = ""
+    engine_problems: Ref = ""
 
 
 @dataclass(frozen=True)
 class Family:
     kind: str
     title: str  # in messages: "EAGLE-3 heads"
-    head: str
-    drafter: str
-    features: FeatureSpec | str
-    build: str = ""
-    section: type | None = None
-    exports: dict[str, tuple[str, str]] = field(default_factory=dict)
-    engines: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    serve: str = ""
-    serve_k: str = ""
-    engine_problems: str = ""
-    preflight: str = ""
-    validate: str = ""
-    cost: str = ""
-    cost_config: str = ""
-    run_inputs: str = ""
-    deploy_cost: str = ""
+    train: TrainSide
+    decode: DecodeSide
+    serve: ServeSide = field(default_factory=ServeSide)
     capabilities: frozenset[str] = frozenset()
+
+    @property
+    def exports(self) -> dict[str, tuple[Ref, Ref]]:
+        """``serve.exports`` under its name in the flat record, which spectrain/eval/engine.py still reads."""
+        return self.serve.exports
 
 
 FAMILIES: dict[str, Family] = {}
@@ -150,10 +188,11 @@ def family(kind: str) -> Family:
 
 
 def hook(kind: str, name: str):
-    """A family's hook ``name`` resolved, or None when the family leaves it to the default (or ``kind`` is
-    training-free)."""
+    """A family's hook ``name``, given as "side.hook" ("train.cost", "serve.command", ...), resolved; None when
+    the family leaves it to the default (or ``kind`` is training-free)."""
     f = FAMILIES.get(kind)
-    ref = getattr(f, name) if f is not None else ""
+    side, _, attr = name.partition(".")
+    ref = getattr(getattr(f, side), attr) if f is not None else ""
     return resolve(ref) if ref else None
 
 
@@ -169,55 +208,64 @@ def with_capability(capability: str) -> list[str]:
 
 def feature_spec(kind: str, recipe, target) -> FeatureSpec:
     """The target features a recipe's family reads, for this target (the offline feature cache's contents)."""
-    spec = family(kind).features
+    spec = family(kind).train.features
     return FeatureSpec.of(spec if isinstance(spec, (FeatureSpec, dict)) else resolve(spec)(recipe, target))
 
 
 def build_head(kind: str, recipe, target, token_counts):
     """The trained module a recipe asks for, freshly built (or initialised from an existing head)."""
-    f = family(kind)
-    return resolve(f.build)(recipe, target, token_counts) if f.build else resolve(f.head).from_recipe(
+    t = family(kind).train
+    return resolve(t.build)(recipe, target, token_counts) if t.build else resolve(t.head).from_recipe(
         recipe, target, token_counts)
 
 
 def format_family(fmt: str) -> Family | None:
     """The family an export format belongs to (None: no such format)."""
-    return next((f for f in FAMILIES.values() if fmt in f.exports), None)
+    return next((f for f in FAMILIES.values() if fmt in f.serve.exports), None)
 
 
 def format_engines(fmt: str) -> tuple[str, ...]:
     """The serving engines that load an export format (() for a format no engine serves)."""
     f = format_family(fmt)
-    return tuple(f.engines.get(fmt, ())) if f is not None else ()
+    return tuple(f.serve.engines.get(fmt, ())) if f is not None else ()
 
 
+# Hooks point into each family's own module or folder; exporters into spectrain/export/<format>.py.
 _D, _E = "spectrain.drafters.", "spectrain.export."
+_E3 = _D + "eagle3."
 register(Family(
-    "eagle3", "EAGLE-3 heads", head=_D + "eagle3.model:Eagle3Head", build=_D + "eagle3.interop:build",
-    drafter=_D + "eagle3.decode:load", features=_D + "eagle3.layout:features_for",
-    exports={"vllm-eagle3": (_E + "eagle3:export_vllm_eagle3", _E + "eagle3:validate_vllm_eagle3"),
-             "sglang-eagle3": (_E + "eagle3:export_sglang_eagle3", _E + "eagle3:validate_sglang_eagle3"),
-             "llama.cpp-eagle3": (_E + "llama_cpp:export_llama_cpp_eagle3", _E + "llama_cpp:validate_llama_cpp_eagle3")},
-    engines={"vllm-eagle3": ("vllm",), "sglang-eagle3": ("sglang", "trtllm")},
-    serve=_E + "eagle3:serve_command", serve_k=_E + "eagle3:serve_k",
-    engine_problems="spectrain.recipe.deploy:eagle3_problems", preflight=_D + "eagle3.layout:preflight",
-    cost="spectrain.train.plan:eagle3_cost", deploy_cost="spectrain.eval.roofline:eagle3_deploy_cost",
+    "eagle3", "EAGLE-3 heads",
+    train=TrainSide(head=_E3 + "model:Eagle3Head", features=_E3 + "layout:features_for", build=_E3 + "interop:build",
+                    preflight=_E3 + "layout:preflight", cost=_E3 + "cost:training_cost"),
+    decode=DecodeSide(drafter=_E3 + "decode:load", deploy_cost=_E3 + "cost:deploy_cost"),
+    serve=ServeSide(
+        exports={"vllm-eagle3": (_E + "eagle3:export_vllm_eagle3", _E + "eagle3:validate_vllm_eagle3"),
+                 "sglang-eagle3": (_E + "eagle3:export_sglang_eagle3", _E + "eagle3:validate_sglang_eagle3"),
+                 "llama.cpp-eagle3": (_E + "llama_cpp:export_llama_cpp_eagle3",
+                                      _E + "llama_cpp:validate_llama_cpp_eagle3")},
+        engines={"vllm-eagle3": ("vllm",), "sglang-eagle3": ("sglang", "trtllm")},
+        command=_E3 + "serve:serve_command", k=_E3 + "serve:serve_k", engine_problems=_E3 + "serve:engine_problems"),
     capabilities=frozenset({"packing", "rollout"})))
 register(Family(
-    "medusa", "Medusa heads", head=_D + "medusa:MedusaHeads", drafter=_D + "medusa:load",
-    features=FeatureSpec(final_hidden=True),
-    exports={"vllm-medusa": (_E + "medusa:export_vllm_medusa", _E + "medusa:validate_vllm_medusa"),
-             "medusa": (_E + "medusa:export_medusa", _E + "medusa:validate_medusa")},
-    engines={"vllm-medusa": ("vllm",), "medusa": ("trtllm",)},
-    serve=_E + "medusa:serve_command", serve_k=_E + "medusa:serve_k",
-    engine_problems="spectrain.recipe.deploy:medusa_problems", cost="spectrain.train.plan:medusa_cost",
+    "medusa", "Medusa heads",
+    train=TrainSide(head=_D + "medusa:MedusaHeads", features=FeatureSpec(final_hidden=True),
+                    cost=_D + "medusa:training_cost"),
+    decode=DecodeSide(drafter=_D + "medusa:load"),
+    serve=ServeSide(
+        exports={"vllm-medusa": (_E + "medusa:export_vllm_medusa", _E + "medusa:validate_vllm_medusa"),
+                 "medusa": (_E + "medusa:export_medusa", _E + "medusa:validate_medusa")},
+        engines={"vllm-medusa": ("vllm",), "medusa": ("trtllm",)},
+        command=_D + "medusa:serve_command", k=_D + "medusa:serve_k", engine_problems=_D + "medusa:engine_problems"),
     capabilities=frozenset({"one_pass"})))
 register(Family(
-    "draft", "separate draft models", head=_D + "draft_lm:DraftStudent", drafter=_D + "draft_lm:load",
-    features=FeatureSpec(last_hidden=True),
-    exports={"hf-draft": (_E + "hf_draft:export_hf_draft", _E + "hf_draft:validate_hf_draft"),
-             "llama.cpp-draft": (_E + "llama_cpp:export_llama_cpp_draft", _E + "llama_cpp:validate_llama_cpp_draft")},
-    engines={"hf-draft": ("vllm", "sglang", "trtllm")}, serve=_E + "hf_draft:serve_command",
-    preflight=_D + "draft_lm_checks:preflight", validate=_D + "draft_lm_checks:check_recipe", cost="spectrain.train.plan:draft_cost",
-    cost_config=_D + "draft_lm_checks:student_config", run_inputs=_D + "draft_lm_checks:run_inputs",
+    "draft", "separate draft models",
+    train=TrainSide(head=_D + "draft_lm:DraftStudent", features=FeatureSpec(last_hidden=True),
+                    validate=_D + "draft_lm_checks:check_recipe", preflight=_D + "draft_lm_checks:preflight",
+                    cost=_D + "draft_lm_checks:training_cost", cost_config=_D + "draft_lm_checks:student_config",
+                    run_inputs=_D + "draft_lm_checks:run_inputs"),
+    decode=DecodeSide(drafter=_D + "draft_lm:load"),
+    serve=ServeSide(
+        exports={"hf-draft": (_E + "hf_draft:export_hf_draft", _E + "hf_draft:validate_hf_draft"),
+                 "llama.cpp-draft": (_E + "llama_cpp:export_llama_cpp_draft", _E + "llama_cpp:validate_llama_cpp_draft")},
+        engines={"hf-draft": ("vllm", "sglang", "trtllm")}, command=_D + "draft_lm_serve:serve_command"),
     capabilities=frozenset({"on_policy"})))

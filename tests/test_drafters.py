@@ -120,8 +120,9 @@ def test_load_drafter_dispatch(tmp_path, monkeypatch):
         seen["args"] = (path, tgt)
         return Fake()
 
-    monkeypatch.setitem(registry.FAMILIES, "fake", registry.Family("fake", "fake drafters", head="", drafter=loader,
-                                                                   features=registry.FeatureSpec()))
+    fake = registry.Family("fake", "fake drafters", train=registry.TrainSide(head="", features=registry.FeatureSpec()),
+                           decode=registry.DecodeSide(drafter=loader))
+    monkeypatch.setitem(registry.FAMILIES, "fake", fake)
     run = tmp_path / "run"
     run.mkdir()
     (run / "drafter_config.json").write_text(json.dumps({"kind": "fake"}))

@@ -121,9 +121,11 @@ def validate_bigram(out) -> list[str]:
     return [] if f.is_file() and load_file(str(f))["bigram"].dim() == 2 else [f"{f}: missing or not a [V, V] table"]
 
 
-FAMILY = registry.Family("bigram", "bigram tables", head=BigramHead, drafter=load_bigram, section=BigramConfig,
-                         features=registry.FeatureSpec(last_hidden=True),
-                         exports={"bigram-table": (export_bigram, validate_bigram)})
+FAMILY = registry.Family(
+    "bigram", "bigram tables",
+    train=registry.TrainSide(head=BigramHead, features=registry.FeatureSpec(last_hidden=True), section=BigramConfig),
+    decode=registry.DecodeSide(drafter=load_bigram),
+    serve=registry.ServeSide(exports={"bigram-table": (export_bigram, validate_bigram)}))
 
 
 @pytest.fixture
@@ -165,12 +167,12 @@ def test_unknown_family_and_format_are_named():
 @pytest.mark.parametrize("kind", sorted(registry.FAMILIES))
 def test_every_family_record_resolves(kind):
     fam = registry.FAMILIES[kind]
-    head = registry.resolve(fam.head)
+    head = registry.resolve(fam.train.head)
     for method in ("feature_spec", "train_loss", "save_pretrained"):
         assert callable(getattr(head, method, None)), f"{kind}: {head.__name__}.{method} missing"
-    assert callable(registry.resolve(fam.build) if fam.build else head.from_recipe)
-    assert callable(registry.resolve(fam.drafter))
-    for fmt, (exporter, validator) in fam.exports.items():
+    assert callable(registry.resolve(fam.train.build) if fam.train.build else head.from_recipe)
+    assert callable(registry.resolve(fam.decode.drafter))
+    for fmt, (exporter, validator) in fam.serve.exports.items():
         assert callable(registry.resolve(exporter)) and callable(registry.resolve(validator)), fmt
 
 
@@ -190,8 +192,9 @@ def bigram_k(head, k):
     return head["rank"] if k is None else k  # an arbitrary default, to see that it is the family's
 
 
-SERVED = dataclasses.replace(FAMILY, cost=bigram_cost, engines={"bigram-table": ("vllm",)}, serve=serve_bigram,
-                             serve_k=bigram_k)
+SERVED = dataclasses.replace(
+    FAMILY, train=dataclasses.replace(FAMILY.train, cost=bigram_cost),
+    serve=dataclasses.replace(FAMILY.serve, engines={"bigram-table": ("vllm",)}, command=serve_bigram, k=bigram_k))
 
 
 def test_a_fifth_family_gets_its_plan_and_serve_commands_from_its_record(tmp_path, monkeypatch, capsys):
@@ -208,7 +211,7 @@ def test_a_fifth_family_gets_its_plan_and_serve_commands_from_its_record(tmp_pat
     assert check_main(str(recipe), [], plan="1xH100") == 0
     out = capsys.readouterr().out
     assert f"drafter fwd/bwd {6 * p / 1e9:.3g} G ({p / 1e6:.1f} M params, {p / 1e6:.1f} M trained)" in out, out
-    monkeypatch.setitem(registry.FAMILIES, "bigram", dataclasses.replace(SERVED, cost=""))
+    monkeypatch.setitem(registry.FAMILIES, "bigram", dataclasses.replace(SERVED, train=FAMILY.train))
     assert check_main(str(recipe), [], plan="1xH100") == 2  # no cost hook: no plan, not another family's formula
     assert "declares no training cost" in capsys.readouterr().err
     monkeypatch.setitem(registry.FAMILIES, "bigram", SERVED)

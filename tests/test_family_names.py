@@ -7,6 +7,7 @@ without an edit elsewhere (tests/test_family_contract.py shows it).
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 from spectrain import registry
@@ -60,16 +61,32 @@ def test_the_check_itself_finds_a_branch(tmp_path):
     assert family_branches(tmp_path) == ['spectrain/mod.py:2: r.drafter.kind in (\'draft\', \'x\')']
 
 
-HOOKS = ("serve", "serve_k", "engine_problems", "preflight", "validate", "cost", "cost_config", "run_inputs",
-         "deploy_cost")
+HOOKS = ("serve.command", "serve.k", "serve.engine_problems", "train.preflight", "train.validate", "train.cost",
+         "train.cost_config", "train.run_inputs", "decode.deploy_cost")
 
 
 def test_every_hook_resolves_and_every_head_is_a_trainable_head():
     for kind, fam in registry.FAMILIES.items():
         for name in HOOKS:
-            ref = getattr(fam, name)
+            side, _, attr = name.partition(".")
+            ref = getattr(getattr(fam, side), attr)
             assert not ref or callable(registry.resolve(ref)), f"{kind}.{name} = {ref!r} does not resolve"
-        assert issubclass(registry.resolve(fam.head), registry.TrainableHead), kind
-        assert set(fam.engines) <= set(fam.exports), f"{kind}: engines named for a format it does not export"
-        assert not fam.engines or fam.serve, f"{kind}: engines serve its formats but it has no serve hook"
+        assert issubclass(registry.resolve(fam.train.head), registry.TrainableHead), kind
+        assert set(fam.serve.engines) <= set(fam.serve.exports), f"{kind}: engines named for a format it does not export"
+        assert not fam.serve.engines or fam.serve.command, f"{kind}: engines serve its formats but it has no serve hook"
         assert fam.capabilities <= {"packing", "rollout", "on_policy", "one_pass"}, kind
+
+
+def test_built_in_hooks_live_in_their_family_and_exporters_in_export():
+    """A built-in family's hooks point into spectrain/drafters/ (its own module or folder); only its exporters and
+    validators point into spectrain/export/ (one module per format). A new family copies what it sees here."""
+    stray = []
+    for kind, fam in registry.FAMILIES.items():
+        for side in ("train", "decode", "serve"):
+            for f in dataclasses.fields(getattr(fam, side)):
+                value = getattr(getattr(fam, side), f.name)
+                refs = [r for pair in value.values() for r in pair] if f.name == "exports" else [value]
+                home = "spectrain.export." if f.name == "exports" else "spectrain.drafters."
+                stray += [f"{kind}.{side}.{f.name} = {r}" for r in refs
+                          if isinstance(r, str) and ":" in r and not r.startswith(home)]
+    assert not stray, "hooks outside the family's own modules:\n" + "\n".join(stray)

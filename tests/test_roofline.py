@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from spectrain.drafters.eagle3.cost import head_cost as eagle3_cost
 from spectrain.eval.roofline import (
     GPUS,
     Accelerator,
@@ -12,7 +13,6 @@ from spectrain.eval.roofline import (
     accelerator,
     crossover,
     curve,
-    eagle3_cost,
     expected_tau,
     measure_cpu_peaks,
     predicted_speedup,

@@ -92,7 +92,9 @@ class FakeDrafter(nn.Module):
 
 def route_eagle3(monkeypatch, cls) -> None:
     """drafter.kind=eagle3 builds ``cls`` (its registry record, swapped for this test)."""
-    monkeypatch.setitem(registry.FAMILIES, "eagle3", dataclasses.replace(registry.FAMILIES["eagle3"], head=cls, build=""))
+    real = registry.FAMILIES["eagle3"]
+    monkeypatch.setitem(registry.FAMILIES, "eagle3",
+                        dataclasses.replace(real, train=dataclasses.replace(real.train, head=cls, build="")))
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ __all__ = ["DraftContext", "Drafter", "Proposal", "TargetFeatures", "load_drafte
 
 
 def _load_draft_lm(path, target):
-    return registry.resolve(registry.family("draft").drafter)(str(path), target)
+    return registry.resolve(registry.family("draft").decode.drafter)(str(path), target)
 
 
 def load_drafter(spec, target) -> Drafter:
@@ -66,7 +66,7 @@ def load_drafter(spec, target) -> Drafter:
             raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
         if kind not in registry.FAMILIES:
             raise ValueError(f"{cfg_file} has kind={kind!r}; known drafter kinds: {', '.join(sorted(registry.FAMILIES))}")
-        return _read_errors_named(registry.resolve(registry.FAMILIES[kind].drafter), path, target)
+        return _read_errors_named(registry.resolve(registry.FAMILIES[kind].decode.drafter), path, target)
     if detect(path):
         return _read_errors_named(registry.resolve("spectrain.drafters.eagle3.interop:load"), path, target)
     if path.exists() and not (path / "config.json").is_file():

@@ -1,4 +1,5 @@
-"""Medusa heads: model, self-distillation / hard-label training, and the decoding adapter.
+"""Medusa heads: model, self-distillation / hard-label training, the decoding adapter, and the rest of the
+family's record hooks (training cost, serving engines and commands), at the end of the module.
 
 Alignment (x = tokens, h_t = the target's final *normed* hidden state at position t, p_t = the
 target's distribution at t = softmax(lm_head(h_t)), which predicts x_{t+1}):
@@ -29,9 +30,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from spectrain.decoding.interface import DraftContext, Drafter, Proposal
+from spectrain.drafters.costs import Shape, TrainingCost
 from spectrain.drafters.head_io import WEIGHTS_NAME, check_state, read_head_config, save_head
 from spectrain.drafters.losses import head_loss, sim_tau
 from spectrain.drafters.step_metrics import StepMetrics
+from spectrain.recipe.deploy import Decode, ServeCommand, static_tree_note, trtllm_command, vllm_command
 from spectrain.registry import FeatureSpec
 from spectrain.targets.fingerprint import target_fingerprint
 
@@ -280,3 +283,52 @@ def best_tree(logq: list[list[float]], total: int) -> tuple[list[tuple[int, ...]
 def load(path, target) -> MedusaProposer:
     """Registry entry (spectrain/registry.py): decoding-ready Medusa heads."""
     return MedusaProposer(MedusaHeads.from_pretrained(path, target), target)
+
+
+# ---- the family record's other hooks (spectrain/registry.py) ---------------------------------------------
+
+
+def training_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0) -> TrainingCost:
+    """K heads of ResBlocks + a full-vocab Linear each (the record's ``train.cost`` hook)."""
+    m = recipe.drafter.medusa
+    p = m.num_heads * (m.num_resblocks * (t.hidden ** 2 + t.hidden) + t.vocab * t.hidden)
+    return TrainingCost(p, p, 6 * p, 4 * t.vocab * (1 + 2 * m.num_heads), m.num_heads * t.hidden * 8, 0)
+
+
+NO_MEDUSA = {"vllm": "vLLM 0.33.0 has no Medusa support at all (read from its source)",
+             "sglang": "SGLang has no Medusa algorithm (its SpeculativeAlgorithm lists EAGLE, EAGLE3, STANDALONE, NGRAM ...)"}
+
+
+def engine_problems(engine: str, flags: dict[str, bool], sliding: bool = False, num_layers: int = 1,
+                    aux: list[int] | None = None) -> list[str]:
+    """The ``serve.engine_problems`` hook: only TensorRT-LLM computes Medusa heads."""
+    return [f"{NO_MEDUSA[engine]}: serve Medusa heads with TensorRT-LLM or train an EAGLE-3 head"] \
+        if engine in NO_MEDUSA else []
+
+
+def serve_command(engine: str, target: str, model_dir: str, d: Decode, head: dict) -> ServeCommand:
+    """The ``serve.command`` hook: vLLM's Medusa path (older releases) or TensorRT-LLM with a chain of choices."""
+    num_heads = int(head.get("num_heads", d.k))
+    if engine == "vllm":
+        cmd = vllm_command("medusa", target, model_dir, d.k)
+        cmd.notes.append(f"{NO_MEDUSA['vllm']}: this command is for the vLLM releases that loaded Medusa (V1 engine "
+                         "from PR #17956, May 2025; see spectrain's docs/export.md); on vLLM 0.33 serve an EAGLE-3 "
+                         "head instead")
+    else:
+        chain = [[0] * i for i in range(1, d.k + 1)]  # path i = the top-1 token of heads 1..i
+        cmd = trtllm_command("tensorrt", target, {"decoding_type": "Medusa", "max_draft_len": d.k,
+                                                  "speculative_model": model_dir, "num_medusa_heads": num_heads,
+                                                  "medusa_choices": chain})
+    if d.tree:
+        cmd.notes.append(static_tree_note(engine, d, "a static medusa_choices tree cannot reproduce" if
+                                          engine == "trtllm" else "this Medusa path does not implement"))
+    return cmd
+
+
+def serve_k(head: dict, k: int | None) -> int:
+    """The ``serve.k`` hook: --k (at most one per head), else every head."""
+    if k is None:
+        return int(head.get("num_heads", 3))
+    if k > int(head.get("num_heads", k)):
+        raise ValueError(f"--k {k} exceeds this Medusa export's {head['num_heads']} heads: use --k <= {head['num_heads']}")
+    return k

@@ -7,8 +7,9 @@
 tau comes from ``--tau`` or from every batch-sweep setting of a ``spectrain eval --batch-size ...``
 report (measured at its smallest batch size). The target is an HF ``config.json`` (file or model
 directory) or the preset ``llama-3.1-8b``; the drafter's cost is an EAGLE-3 head sized for that
-target (``--drafter eagle3``, draft vocab ``--draft-vocab``) or nothing (``--drafter ngram``, and every
-training-free drafter of a report). Everything printed is a model prediction, not a measurement.
+target (``--drafter eagle3``, draft vocab ``--draft-vocab``: any family whose record declares a
+``decode.deploy_cost``) or nothing (``--drafter ngram``, and every training-free drafter of a report).
+Everything printed is a model prediction, not a measurement.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ from spectrain.eval import roofline
 PRESETS = {"llama-3.1-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                                 num_hidden_layers=32, intermediate_size=14336, vocab_size=128256)}
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-# the deployed drafter's cost per forward, for a target config and a draft vocabulary; training-free drafters
-# (registry.TRAINING_FREE) cost nothing
-DRAFTER_COST = {"eagle3": roofline.eagle3_cost}
+
+
+def deploy_costs() -> dict[str, registry.Ref]:
+    """kind -> its ``decode.deploy_cost`` hook: the deployed drafter's cost per forward for a target config, of the
+    families that declare one; training-free drafters (registry.TRAINING_FREE) cost nothing."""
+    return {k: f.decode.deploy_cost for k, f in registry.FAMILIES.items() if f.decode.deploy_cost}
 
 
 def add_crossover_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -35,7 +39,7 @@ def add_crossover_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=5, help="chain length / tree depth")
     p.add_argument("--tree-size", type=int, default=0, help="tree nodes verified per pass (0 = chain)")
     p.add_argument("--topk", type=int, default=4, help="tree: nodes expanded per depth")
-    p.add_argument("--drafter", choices=[*DRAFTER_COST, *registry.TRAINING_FREE], default="eagle3",
+    p.add_argument("--drafter", choices=[*deploy_costs(), *registry.TRAINING_FREE], default="eagle3",
                    help="whose drafting cost to charge (a report's training-free drafters cost nothing)")
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--target", default="llama-3.1-8b", help=f"preset ({', '.join(PRESETS)}), config.json or model dir")
@@ -116,9 +120,10 @@ def main(args: argparse.Namespace) -> int:
           f"{acc.flops / 1e12:.0f} TFLOP/s, context {args.context}\n")
     print("| setting | tau | " + " | ".join(f"B={b}" for b in BATCHES) + " | crossover |")
     print("|---|---|" + "---|" * len(BATCHES) + "---|")
+    costs = deploy_costs()
     for s in rows:
-        cost = DRAFTER_COST.get(s["drafter"])
-        draft = cost(cfg, args.draft_vocab) if cost else None
+        cost = costs.get(s["drafter"])  # the head as --draft-vocab sizes it, in bf16 (the target's dtype here)
+        draft = registry.resolve(cost)(cfg, {"draft_vocab_size": args.draft_vocab}, 2) if cost else None
         tree = s["tree"]
         spec = roofline.Speculation(s["tau"], 1 + (tree["total_tokens"] if tree else s["k"]), draft,
                                     s["k"] if draft else 0, tree["topk"] if tree else 1)

@@ -93,22 +93,6 @@ def target_cost(cfg, dtype_bytes: int = 2) -> ModelCost:
                      layers=d["n"], attn_dim=d["nh"] * d["hd"])
 
 
-def eagle3_cost(target_cfg, draft_vocab: int = 32000, dtype_bytes: int = 2) -> ModelCost:
-    """An EAGLE-3 head sized like spectrain builds it for this target: fc (3H -> H), one decoder layer
-    whose attention reads 2H, lm_head over the draft vocabulary."""
-    d = config_dims(target_cfg)
-    h = d["h"]
-    params = 3 * h * h + layer_params(h, d["nh"], d["nkv"], d["hd"], d["inter"], attn_in=2 * h) + draft_vocab * h
-    return ModelCost(weight_bytes=params * dtype_bytes, params=params,
-                     kv_bytes_per_token=2 * d["nkv"] * d["hd"] * dtype_bytes, layers=1, attn_dim=d["nh"] * d["hd"])
-
-
-def eagle3_deploy_cost(target_cfg, head_cfg: dict, dtype_bytes: int = 2) -> ModelCost:
-    """The EAGLE-3 family's ``deploy_cost`` hook (spectrain/registry.py): the head spectrain would build for this
-    target, with the saved head's draft vocabulary."""
-    return eagle3_cost(target_cfg, head_cfg["draft_vocab_size"], dtype_bytes)
-
-
 def module_cost(module: torch.nn.Module, dtype_bytes: int, like: ModelCost | None = None) -> ModelCost:
     """A drafter measured by its parameter count (its KV traffic taken as one layer of `like`)."""
     params = sum(p.numel() for p in module.parameters())

@@ -136,7 +136,7 @@ def _drafter_cost(drafter, target, dtype_bytes: int, deploy: bool) -> roofline.M
     if not isinstance(model, torch.nn.Module):
         return None  # n-gram: drafting is a lookup
     like = roofline.target_cost(target.config, dtype_bytes)
-    deploy_cost = registry.hook(getattr(model, "kind", None), "deploy_cost")
+    deploy_cost = registry.hook(getattr(model, "kind", None), "decode.deploy_cost")
     if deploy and deploy_cost is not None:  # the head spectrain would build for this target (the family's hook)
         return deploy_cost(target.config, model.config, dtype_bytes)
     return roofline.module_cost(model, dtype_bytes, like)

@@ -60,7 +60,7 @@ def _format(fmt: str) -> tuple[Callable[..., dict], Callable[..., list[str]]]:
     fam = registry.format_family(fmt)
     if fam is None:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(formats())}")
-    exporter, validator = fam.exports[fmt]
+    exporter, validator = fam.serve.exports[fmt]
     return registry.resolve(exporter), registry.resolve(validator)
 
 
@@ -70,16 +70,16 @@ def engine_format(src: Path, fmt: str) -> str:
         return fmt
     kind = json.loads((src / "drafter_config.json").read_text()).get("kind", "")
     fam = registry.family(kind)
-    found = [f for f in fam.exports if f.startswith("llama.cpp-")]
+    found = [f for f in fam.serve.exports if f.startswith("llama.cpp-")]
     if not found:
         raise ValueError(f"llama.cpp serves no {fam.title}: it has EAGLE-3 heads, draft models and n-gram modes "
-                         f"(no Medusa); export {src} with --format {' or '.join(fam.exports)} for another engine")
+                         f"(no Medusa); export {src} with --format {' or '.join(fam.serve.exports)} for another engine")
     return found[0]
 
 
 def formats() -> list[str]:
     """Every export format of every registered family (spectrain/registry.py)."""
-    return [fmt for fam in registry.FAMILIES.values() for fmt in fam.exports]
+    return [fmt for fam in registry.FAMILIES.values() for fmt in fam.serve.exports]
 
 
 def export(source, fmt: str, out, target: str | None = None, force: bool = False, k: int | None = None,

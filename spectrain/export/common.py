@@ -51,7 +51,7 @@ def read_config(src: Path, kind: str, fmt: str) -> dict:
     cfg = json.loads((src / CONFIG_NAME).read_text())
     have = cfg.get("kind")
     if have != kind:
-        fits = list(registry.FAMILIES[have].exports) if have in registry.FAMILIES else []
+        fits = list(registry.FAMILIES[have].serve.exports) if have in registry.FAMILIES else []
         hint = f"use --format {' or '.join(fits)}" if fits else "no export format takes this kind"
         raise ValueError(f"{src} holds a {have!r} drafter, but --format {fmt} exports {registry.family(kind).title}: {hint}")
     return cfg

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from spectrain.drafters.eagle3.layout import LAYOUT_FLAGS, layout, sort_aux
+from spectrain.drafters.eagle3.serve import engine_problems
 from spectrain.export.common import (
     WEIGHTS_NAME,
     Spec,
@@ -46,8 +47,7 @@ from spectrain.export.common import (
     target_info,
     write_json,
 )
-from spectrain.export.serving import Decode, ServeCommand, eagle3_commands
-from spectrain.recipe.deploy import engine_problems, sglang_default_capture, to_layer_outputs
+from spectrain.recipe.deploy import sglang_default_capture, to_layer_outputs
 
 SPECULATORS_VERSION = "0.3.0"  # the speculators config layout followed here; vLLM does not read it
 
@@ -82,8 +82,8 @@ def trtllm_capture(aux: list[int], num_layers: int | None) -> tuple[list[int], l
 
 
 def _sglang_config(cfg: dict, state: dict, aux: list[int], dtype: str, n_layers: int | None):
-    # the same facts `spectrain check` applies to a recipe's deploy.engine (spectrain/export/serving.py)
-    problems = engine_problems("sglang", "eagle3", layout(cfg), bool(cfg.get("layer_types")), cfg["num_layers"], aux)
+    # the same facts `spectrain check` applies to a recipe's deploy.engine (the family's serve.engine_problems)
+    problems = engine_problems("sglang", layout(cfg), bool(cfg.get("layer_types")), cfg["num_layers"], aux)
     if problems:
         raise ValueError(f"sglang-eagle3 (SGLang, TensorRT-LLM) cannot represent this head: {'; '.join(problems)}: "
                          "use --format vllm-eagle3")
@@ -291,17 +291,3 @@ def validate_sglang_eagle3(out_dir) -> list[str]:
 
 
 FORMAT_VALIDATORS = {"vllm-eagle3": validate_vllm_eagle3, "sglang-eagle3": validate_sglang_eagle3}
-
-
-# ---- the family record's serving hooks (spectrain/registry.py) ------------------------------------------
-
-
-def serve_command(engine: str, target: str, model_dir: str, d: Decode, head: dict) -> ServeCommand:
-    """The engine's command for an EAGLE-3 export: TensorRT-LLM also needs the capture layers (layer outputs)."""
-    capture = to_layer_outputs(sorted(head.get("aux_layers") or [])) or None
-    return eagle3_commands(engine, target, model_dir, d, capture)
-
-
-def serve_k(head: dict, k: int | None) -> int:
-    """Served draft length: --k, else the TTT depth the head was trained for."""
-    return int(head.get("ttt_steps", 3)) if k is None else k

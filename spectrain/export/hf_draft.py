@@ -26,7 +26,6 @@ from spectrain.export.common import (
     summary,
     write_json,
 )
-from spectrain.export.serving import Decode, ServeCommand, draft_commands
 from spectrain.io.integrity import link_inside
 
 HF_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -128,8 +127,3 @@ def validate_hf_draft(out_dir) -> list[str]:
         if tv > rows:
             problems.append(f"lm_head has {rows} rows, fewer than the target's {tv}-token vocabulary")
     return problems
-
-
-def serve_command(engine: str, target: str, model_dir: str, d: Decode, head: dict) -> ServeCommand:
-    """The family record's serving hook (spectrain/registry.py): the engine's separate-draft-model command."""
-    return draft_commands(engine, target, model_dir, d)

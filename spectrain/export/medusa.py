@@ -36,7 +36,6 @@ from spectrain.export.common import (
     target_info,
     write_json,
 )
-from spectrain.export.serving import Decode, ServeCommand, medusa_commands
 
 MEDUSA_FILE = "medusa_lm_head.safetensors"
 MEDUSA_PT = "medusa_lm_head.pt"
@@ -172,19 +171,3 @@ def _pt_problems(out: Path, tensors: dict) -> list[str]:
         return [f"{MEDUSA_PT} holds other tensor names than {MEDUSA_FILE}"]
     bad = [name for name, t in tensors.items() if not torch.equal(pt[name], t)]
     return [f"{MEDUSA_PT} differs from {MEDUSA_FILE} in {bad[:3]}"] if bad else []
-
-
-# ---- the family record's serving hooks (spectrain/registry.py) ------------------------------------------
-
-
-def serve_command(engine: str, target: str, model_dir: str, d: Decode, head: dict) -> ServeCommand:
-    return medusa_commands(engine, target, model_dir, d, int(head.get("num_heads", d.k)))
-
-
-def serve_k(head: dict, k: int | None) -> int:
-    """Served draft length: --k (at most one per head), else every head."""
-    if k is None:
-        return int(head.get("num_heads", 3))
-    if k > int(head.get("num_heads", k)):
-        raise ValueError(f"--k {k} exceeds this Medusa export's {head['num_heads']} heads: use --k <= {head['num_heads']}")
-    return k

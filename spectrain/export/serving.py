@@ -1,9 +1,11 @@
-"""The serve command an export implies, and which drafter layouts each serving engine can compute.
+"""The serve commands an export implies: which engines load a format (the families' ``serve.engines``), the
+decode setting served (``resolve_decode``: --tree, --k or the family's ``serve.k``), each engine's command from
+the family's ``serve.command`` hook, and the README section that prints them.
 
 Pure facts and string building (no torch): `spectrain export` prints these commands and writes them into
-the export's README.md; `spectrain check` / `train` refuse, through
-``spectrain.recipe.deploy.engine_problems``, a recipe whose
-``deploy.engine`` cannot compute the head it would train.
+the export's README.md. The engine command lines the hooks build from, and which drafter layouts each engine
+computes (``engine_problems``, which `spectrain check` / `train` apply to a recipe's ``deploy.engine``):
+spectrain/recipe/deploy.py.
 
 Decode settings map onto the engines like this (``--k`` / ``--tree`` as ``spectrain eval`` takes them):
 
@@ -21,17 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from spectrain import registry
-from spectrain.recipe.deploy import (
-    ENGINE_NAMES,
-    ENGINES,
-    NO_MEDUSA,
-    Decode,
-    ServeCommand,
-    sglang_command,
-    static_tree_note,
-    trtllm_command,
-    vllm_command,
-)
+from spectrain.recipe.deploy import ENGINE_NAMES, ENGINES, Decode, ServeCommand
 
 # ServeCommand and Decode live below the families (spectrain/recipe/deploy.py), whose serve hooks build them
 __all__ = ["ENGINES", "ENGINE_NAMES", "Decode", "ServeCommand", "parse_tree", "readme_section", "resolve_decode",
@@ -81,18 +73,18 @@ DEFAULT_K = 5  # `spectrain eval`'s default: the draft length served for a famil
 
 
 class _FormatEngines(Mapping):
-    """export format -> the engines that load it: a live view of the families' records (``Family.engines``)."""
+    """export format -> the engines that load it: a live view of the families' records (``serve.engines``)."""
 
     def __getitem__(self, fmt: str) -> tuple[str, ...]:
-        if registry.format_family(fmt) is None or fmt not in registry.format_family(fmt).engines:
+        if registry.format_family(fmt) is None or fmt not in registry.format_family(fmt).serve.engines:
             raise KeyError(fmt)
         return registry.format_engines(fmt)
 
     def __iter__(self):
-        return iter([fmt for fam in registry.FAMILIES.values() for fmt in fam.engines])
+        return iter([fmt for fam in registry.FAMILIES.values() for fmt in fam.serve.engines])
 
     def __len__(self) -> int:
-        return sum(len(fam.engines) for fam in registry.FAMILIES.values())
+        return sum(len(fam.serve.engines) for fam in registry.FAMILIES.values())
 
 
 FORMAT_ENGINES = _FormatEngines()
@@ -114,59 +106,10 @@ def parse_tree(spec: str) -> dict:
     return tree
 
 
-def eagle3_commands(engine: str, target: str, model_dir: str, d: Decode, capture: list[int] | None) -> ServeCommand:
-    t = d.tree
-    if engine == "vllm":
-        cmd = vllm_command("eagle3", target, model_dir, d.k)
-        if t:
-            cmd.notes.append(static_tree_note("vllm", d, "vLLM does not implement (its speculative_token_tree "
-                                                          "is a static tree literal)"))
-        return cmd
-    if engine == "sglang":
-        return sglang_command("EAGLE3", target, model_dir, d.k, t["topk"] if t else 1, t["total_tokens"] if t else d.k)
-    spec = {"decoding_type": "Eagle3", "max_draft_len": d.k, "speculative_model": model_dir}
-    if capture is not None:
-        spec["eagle3_layers_to_capture"] = capture
-    if t:
-        spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=t["topk"], max_total_draft_tokens=t["total_tokens"])
-    return trtllm_command("pytorch", target, spec)
-
-
-def medusa_commands(engine: str, target: str, model_dir: str, d: Decode, num_heads: int) -> ServeCommand:
-    if engine == "vllm":
-        cmd = vllm_command("medusa", target, model_dir, d.k)
-        cmd.notes.append(f"{NO_MEDUSA['vllm']}: this command is for the vLLM releases that loaded Medusa (V1 engine "
-                         "from PR #17956, May 2025; see spectrain's docs/export.md); on vLLM 0.33 serve an EAGLE-3 "
-                         "head instead")
-    else:
-        chain = [[0] * i for i in range(1, d.k + 1)]  # path i = the top-1 token of heads 1..i
-        cmd = trtllm_command("tensorrt", target, {"decoding_type": "Medusa", "max_draft_len": d.k,
-                                           "speculative_model": model_dir, "num_medusa_heads": num_heads,
-                                           "medusa_choices": chain})
-    if d.tree:
-        cmd.notes.append(static_tree_note(engine, d, "a static medusa_choices tree cannot reproduce" if
-                                           engine == "trtllm" else "this Medusa path does not implement"))
-    return cmd
-
-
-def draft_commands(engine: str, target: str, model_dir: str, d: Decode) -> ServeCommand:
-    if engine == "vllm":
-        cmd = vllm_command("draft_model", target, model_dir, d.k)
-    elif engine == "sglang":
-        cmd = sglang_command("STANDALONE", target, model_dir, d.k, 1, d.k)
-    else:
-        cmd = trtllm_command("pytorch", target, {"decoding_type": "DraftTarget", "max_draft_len": d.k,
-                                          "speculative_model": model_dir})
-    if d.tree:
-        cmd.notes.append(static_tree_note(engine, d, "is spectrain's own draft-model tree (top-m first tokens, "
-                                                      "each extended greedily)"))
-    return cmd
-
-
 def resolve_decode(head: dict, k: int | None = None, tree: dict | None = None) -> Decode:
     """The decode setting to serve: a tree (k = its depth), else --k, else what the head was trained for."""
     k = tree["depth"] if tree is not None else k
-    family_k = registry.hook(head.get("kind"), "serve_k")  # the family's default and limit (spectrain/registry.py)
+    family_k = registry.hook(head.get("kind"), "serve.k")  # the family's default and limit (spectrain/registry.py)
     k = family_k(head, k) if family_k is not None else DEFAULT_K if k is None else k
     if k < 1:
         raise ValueError(f"--k must be >= 1, got {k}")
@@ -186,9 +129,9 @@ def serve_commands(fmt: str, head: dict, model_dir: str, target: str, d: Decode,
                          f"{', '.join(loaders) or 'no engine spectrain knows'}; pick one of those or another --format")
     target = target or "TARGET"
     out = []
-    serve = registry.hook(head.get("kind"), "serve")  # the family's command builder (spectrain/registry.py)
+    serve = registry.hook(head.get("kind"), "serve.command")  # the family's command builder (spectrain/registry.py)
     if wanted and serve is None:
-        raise ValueError(f"the {fmt} format names engines but its family declares no `serve` hook")
+        raise ValueError(f"the {fmt} format names engines but its family declares no `serve.command` hook")
     for engine in wanted:
         out.append(serve(engine, target, model_dir, d, head))
     return out

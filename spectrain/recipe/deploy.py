@@ -1,9 +1,9 @@
 """Serving engines as facts (no torch): their names, which drafter layouts each computes, the serve command
 line each takes, and the aux-layer conventions.
 
-Recipe validation refuses, through ``engine_problems`` (each family's ``engine_problems`` hook), a
+Recipe validation refuses, through ``engine_problems`` (each family's ``serve.engine_problems`` hook), a
 ``deploy.engine`` that cannot serve the head the recipe would train, before any training. A family's
-``serve`` hook builds its command from ``vllm_command`` / ``sglang_command`` / ``trtllm_command``; which
+``serve.command`` hook builds its command from ``vllm_command`` / ``sglang_command`` / ``trtllm_command``; which
 engines load an export, the decode setting served and the README: spectrain/export/serving.py. These pieces sit
 here, below the families, because the hooks that use them live in the families' own modules."""
 
@@ -17,50 +17,16 @@ from spectrain import registry
 
 ENGINES = ("vllm", "sglang", "trtllm")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
-NO_MEDUSA = {"vllm": "vLLM 0.33.0 has no Medusa support at all (read from its source)",
-             "sglang": "SGLang has no Medusa algorithm (its SpeculativeAlgorithm lists EAGLE, EAGLE3, STANDALONE, NGRAM ...)"}
-
-
 
 
 def engine_problems(engine: str, kind: str, flags: dict[str, bool], sliding: bool = False, num_layers: int = 1,
                     aux: list[int] | None = None) -> list[str]:
     """Why ``engine`` cannot serve a drafter of ``kind`` with this EAGLE-3 layout ([] = it can). flags: the four
     layout flags (spectrain/drafters/eagle3/layout.py LAYOUT_FLAGS); aux: the head's aux layer ids (layer inputs) if
-    known. The family's record says (its ``engine_problems`` hook); a family without one is served by every
+    known. The family's record says (its ``serve.engine_problems`` hook); a family without one is served by every
     engine."""
-    problems = registry.hook(kind, "engine_problems") if engine else None
+    problems = registry.hook(kind, "serve.engine_problems") if engine else None
     return problems(engine, flags, sliding, num_layers, aux) if problems is not None else []
-
-
-def medusa_problems(engine: str, flags: dict[str, bool], sliding: bool = False, num_layers: int = 1,
-                    aux: list[int] | None = None) -> list[str]:
-    """The Medusa family's ``engine_problems`` hook: only TensorRT-LLM computes Medusa heads."""
-    return [f"{NO_MEDUSA[engine]}: serve Medusa heads with TensorRT-LLM or train an EAGLE-3 head"] \
-        if engine in NO_MEDUSA else []
-
-
-def eagle3_problems(engine: str, flags: dict[str, bool], sliding: bool = False, num_layers: int = 1,
-                    aux: list[int] | None = None) -> list[str]:
-    """The EAGLE-3 family's ``engine_problems`` hook: which layouts each engine's EAGLE-3 layer computes."""
-    name = ENGINE_NAMES[engine]
-    on = [k for k, v in flags.items() if v]
-    if engine == "vllm":
-        bad = [k for k in on if k in ("fc_norm", "norm_output")]
-        return [f"layout {bad}: the vLLM EAGLE-3 layer read for this project implements norm_before_residual (and, in "
-                "some versions, norm_before_fc) only, so it would compute another function"] if bad else []
-    out = []
-    if on:
-        out.append(f"layout {on}: {name}'s EAGLE-3 layer implements none of the extra layout norms")
-    if sliding:
-        out.append(f"sliding-window draft layers: {name}'s EAGLE-3 layer does not apply a window")
-    if num_layers != 1:
-        out.append(f"{num_layers} draft layers: {name} loads single-layer heads only (it names further layers "
-                   "differently)")
-    if aux and min(aux) < 1:
-        out.append(f"aux layer ids {aux} include the embeddings (input of layer 0), which {name}'s "
-                   "output-of-layer ids cannot express")
-    return out
 
 
 # ---- serve command lines ----------------------------------------------------------------------------------

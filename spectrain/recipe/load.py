@@ -129,7 +129,7 @@ def _build(cls, raw: dict, where: str = ""):
 def _family_section(key: str) -> type | None:
     """The recipe section a family registered outside the schema adds under drafter.<key> (None: not one)."""
     fam = registry.FAMILIES.get(key)
-    return fam.section if fam is not None else None
+    return fam.train.section if fam is not None else None
 
 
 # ---- validation ------------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def validate(r: Recipe) -> Recipe:
     _require(bool(_INIT_RE.match(dr.draft.init)),
              f"drafter.draft.init={dr.draft.init!r}: use pretrained, config, or layers:<i>,<j>,... (e.g. layers:0,1)")
     check_draft_layers(dr.draft.init)
-    family_checks = registry.hook(dr.kind, "validate")
+    family_checks = registry.hook(dr.kind, "train.validate")
     if family_checks is not None:  # the family's own recipe checks (spectrain/registry.py)
         family_checks(r)
     _require(1 <= dr.ngram.min_n <= dr.ngram.max_n,

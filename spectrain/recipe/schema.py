@@ -104,7 +104,7 @@ class DrafterConfig:
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     draft: DraftLMConfig = field(default_factory=DraftLMConfig)
     ngram: NgramConfig = field(default_factory=NgramConfig)
-    # drafter.<kind> of families registered outside this schema (their Family.section), by kind
+    # drafter.<kind> of families registered outside this schema (their Family.train.section), by kind
     sections: dict[str, Any] = field(default_factory=dict)
 
 

@@ -59,7 +59,7 @@ def _check_target(r: Recipe):
                          "or add chat_template to its tokenizer_config.json")
     if len(tok) > cfg.vocab_size:
         raise ValueError(f"tokenizer has {len(tok)} tokens but the model's vocab_size is {cfg.vocab_size}")
-    family_checks = registry.hook(r.drafter.kind, "preflight")
+    family_checks = registry.hook(r.drafter.kind, "train.preflight")
     if family_checks is not None:  # the family's own checks (spectrain/registry.py): layer ids, vocabularies
         family_checks(r, cfg, tok)
     return cfg, tok
@@ -122,8 +122,8 @@ def add_check_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _student_config(r: Recipe):
     """A model config of the family's own that its cost reads (a draft LM's), or None (the record's
-    ``cost_config`` hook)."""
-    hook = registry.hook(r.drafter.kind, "cost_config")
+    ``train.cost_config`` hook)."""
+    hook = registry.hook(r.drafter.kind, "train.cost_config")
     return hook(r) if hook is not None else None
 
 

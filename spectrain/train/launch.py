@@ -153,7 +153,7 @@ def _steps_and_eta(recipe, world: int, gpu_name: str, cuda_devices: int) -> tupl
     ds = data_size(recipe, AutoTokenizer.from_pretrained(src, trust_remote_code=trc))
     hw = parse_hardware(f"{world}x{gpu}")
     steps = t.max_steps or t.epochs * (ds.train_rows // t.global_batch_size)
-    if registry.hook(recipe.drafter.kind, "cost") is None:
+    if registry.hook(recipe.drafter.kind, "train.cost") is None:
         return f"~{steps}", f"n/a (drafter.kind={recipe.drafter.kind} declares no training cost in its registry record)"
     seconds = estimate(recipe, cfg, ds, hw).wall_s
     return f"~{steps}", f"~{seconds / 3600:.1f} h (estimate: {world}x{gpu} at MFU {DEFAULT_MFU}; `spectrain check " \

@@ -6,8 +6,10 @@ mean tokenised length of a sample, by the formulas printed next to it:
 - model FLOPs per trained token, the convention of scripts/gpu_check.py (PaLM appendix B; s = tokens per
   row, L / H = layers / hidden size, P = weights of the Linear layers that run):
   target forward 2 * P_target_layers + 4 * L * H * s (online features only: offline, prepare-features
-  pays it once) + teacher logits 2 * H * V; EAGLE-3 fc 6 * P_fc + K TTT steps x (6 * P_layer+lm_head +
-  12 * L_d * H * s); Medusa 6 * P_heads; a draft LM 6 * P_student + 12 * L_s * H_s * s.
+  pays it once) + teacher logits 2 * H * V; the drafter's, from its family's ``train.cost`` hook (in the
+  family's own module; spectrain/drafters/costs.py holds the shapes they share): EAGLE-3 fc 6 * P_fc + K TTT
+  steps x (6 * P_layer+lm_head + 12 * L_d * H * s); Medusa 6 * P_heads; a draft LM 6 * P_student + 12 * L_s *
+  H_s * s.
 - wall time = tokens x FLOPs/token / (GPUs x peak bf16 FLOP/s x MFU); GPU-hours = GPUs x wall time.
 - memory per GPU, feature-cache and checkpoint sizes: the arithmetic of recipes/README.md.
 
@@ -84,43 +86,14 @@ def gpu_from_device_name(device_name: str) -> str | None:
     return next((n for n in GPUS if n in device_name.upper()), None)
 
 
-def eagle3_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0) -> TrainingCost:
-    """EAGLE-3: fc + K TTT steps of the draft layers and the draft-vocab lm_head (the record's ``cost`` hook)."""
-    e = recipe.drafter.eagle3
-    layer = t.layer(2, e.intermediate_size, e.num_attention_heads)
-    head, fc = e.draft_vocab_size * t.hidden, 3 * t.hidden * t.hidden
-    p = fc + e.num_layers * layer + head
-    k = e.ttt_steps
-    flops = 6 * fc + k * (6 * (p - fc) + 12 * e.num_layers * t.hidden * seq)
-    return TrainingCost(p, p - (head if e.freeze_lm_head else 0), flops, 4 * (t.vocab + 2 * k * e.draft_vocab_size),
-                   k * (10 * t.hidden + 3 * (e.intermediate_size or t.inter)) * 2, 3)
-
-
-def medusa_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0) -> TrainingCost:
-    """Medusa: K heads of ResBlocks + a full-vocab Linear each (the record's ``cost`` hook)."""
-    m = recipe.drafter.medusa
-    p = m.num_heads * (m.num_resblocks * (t.hidden ** 2 + t.hidden) + t.vocab * t.hidden)
-    return TrainingCost(p, p, 6 * p, 4 * t.vocab * (1 + 2 * m.num_heads), m.num_heads * t.hidden * 8, 0)
-
-
-def draft_cost(recipe, t: Shape, student: Shape | None = None, seq: float = 0.0) -> TrainingCost:
-    """A draft LM: its own config (``student``), or a layer subset of the target (the record's ``cost`` hook)."""
-    d = recipe.drafter
-    s = student or t
-    layers = len(d.draft.init.split(":", 1)[1].split(",")) if d.draft.init.startswith("layers:") else s.layers
-    p = layers * s.layer() + s.vocab * s.hidden * (1 if s.tied else 2)
-    flops = 6 * (layers * s.layer() + s.vocab * s.hidden) + 12 * layers * s.hidden * seq
-    return TrainingCost(p, p, flops, 4 * 4 * t.vocab, layers * (10 * s.hidden + 3 * s.inter) * 2, 0)
-
-
 def training_cost(recipe, t: Shape, student=None, seq: float = 0.0) -> TrainingCost:
     """The drafter's size, its training FLOPs per token (`seq` = tokens per row, for attention) and memory:
-    the family's ``cost`` hook (spectrain/registry.py). A family without one has no plan: costing it with
+    the family's ``train.cost`` hook (spectrain/registry.py). A family without one has no plan: costing it with
     another family's formula would print wrong numbers with confidence."""
-    cost = registry.hook(recipe.drafter.kind, "cost")
+    cost = registry.hook(recipe.drafter.kind, "train.cost")
     if cost is None:
         raise ValueError(f"drafter.kind={recipe.drafter.kind}: the family declares no training cost (its "
-                         "registry record's `cost` hook), so there is no plan for it")
+                         "registry record's `train.cost` hook), so there is no plan for it")
     return cost(recipe, t, student, seq)
 
 

@@ -135,7 +135,7 @@ def run_inputs(recipe) -> list[tuple[str, str]]:
     own = Path(recipe.output_dir).expanduser().resolve()
     if t.resume_from and t.resume_from != "auto" and Path(t.resume_from).expanduser().resolve().parent != own:
         out.append(("checkpoint (training.resume_from)", t.resume_from))  # one of this run's own: resume's rules
-    extra = registry.hook(recipe.drafter.kind, "run_inputs")  # a family's own inputs, e.g. a draft model
+    extra = registry.hook(recipe.drafter.kind, "train.run_inputs")  # a family's own inputs, e.g. a draft model
     return out + (extra(recipe) if extra is not None else [])
 
 

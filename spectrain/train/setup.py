@@ -35,7 +35,7 @@ def drafter_class(kind: str) -> type:
     if kind in registry.TRAINING_FREE:
         raise ValueError(f"drafter.kind={kind} is training-free: evaluate it directly with "
                          f"`spectrain eval --drafter {kind}`; there is nothing to train")
-    return registry.resolve(registry.family(kind).head)
+    return registry.resolve(registry.family(kind).train.head)
 
 
 class _LossModule(nn.Module):
