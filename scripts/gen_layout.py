@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG, OUT = ROOT / "spectrain", ROOT / "docs" / "layout.md"
-FOLDERS = ["", "io", "engines", "recipe", "targets", "decoding", "data", "drafters", "drafters/eagle3", "train", "eval", "export"]
+FOLDERS = ["", "io", "engines", "recipe", "targets", "decoding", "data", "drafters", "drafters/eagle3", "drafters/dflash", "train", "eval", "export"]
 INTRO = """# Package layout
 
 The folders are the pipeline: `recipe/` (what to run) -> `targets/` (the frozen model) -> `data/` (rows and
@@ -73,7 +73,7 @@ recipe on two target shapes, deployed costs, `engine_problems` for every engine,
 serve commands and README section for chains and trees, `resolve_decode`, recipe validation with `deploy.engine`,
 `spectrain crossover` tables and help) are identical before and after."""
 
-RECORD_29 = """## The family record, the tree once, stale names (issue 29)
+RECORD_29 = """## The family record, the tree once, stale names
 
 What moved where:
 
@@ -112,7 +112,7 @@ family's own drafters/ and export/ modules):
 
 Behaviour unchanged, shown bitwise. Two worktrees of the same commit, one with this change's commits reverted
 (`git worktree add --detach /tmp/mine HEAD; git worktree add --detach /tmp/ref HEAD; git -C /tmp/ref revert
---no-commit <the issue-29 commits>`); in each, with `PYTHONPATH=<tree>` (spectrain imported from that tree,
+--no-commit <the layout change's commits>`); in each, with `PYTHONPATH=<tree>` (spectrain imported from that tree,
 checked), for F in eagle3, medusa, draft:
 
     python -m spectrain train recipes/tiny/$F.yaml training.max_steps=20 training.eval_every=10 \\
@@ -126,7 +126,7 @@ acc_t1_i, sim_tau, sim_tau_t1, losses: the shared metrics helper computes exactl
 EAGLE-3 96 tensors in 6 files and 659 metric values; Medusa 72 tensors and 549 values; draft model 120 tensors and
 329 values, all identical. The same holds against the commit this change started from (3a922b5) on this CPU."""
 
-NAMES_29 = """## Names: one meaning per word (issue 29)
+NAMES_29 = """## Names: one meaning per word
 
 | before | after | why |
 |---|---|---|
@@ -141,7 +141,7 @@ NAMES_29 = """## Names: one meaning per word (issue 29)
 `Family.drafter` keeps its name: it loads the decode-side drafter. `DraftStudent` (the draft model's module) and
 `MedusaHeads` already say what they hold."""
 
-SCRIPTS_29 = """## Scripts: features as commands, studies together (issue 29)
+SCRIPTS_29 = """## Scripts: features as commands, studies together
 
 | before | after | why |
 |---|---|---|

@@ -45,6 +45,7 @@ MARKER = re.compile(
 
 # Markdown tables that are not measurements (lists of flags, formats, commands, rules): their header rows.
 HANDWRITTEN = {
+    "| hook | before | after |",  # docs/layout.md: where each family hook moved (scripts/gen_layout.py)
     "| command | does |",
     "| spectrain | vLLM `--speculative-config` | SGLang `sglang.launch_server` | TensorRT-LLM `speculative_config` "
     "(`trtllm-serve --extra_llm_api_options`) |",
