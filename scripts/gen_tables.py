@@ -156,7 +156,7 @@ def smollm2_label(drafter: str) -> str:
         return f"EAGLE-3 ({int(rows):,} rows" + (f", {epochs} epochs)" if epochs else ")")
     return {"eagle3": "EAGLE-3", "eagle3-pool": "EAGLE-3 (12,121 rows)", "medusa": "Medusa",
             "medusa-pool": "Medusa (12,121 rows)",
-            "draft": "draft model", "draft-pool": "draft model (12,121 rows)"}.get(fam, drafter)
+            "draft": "draft model", "draft-pool": "draft model (12,121 rows)", "tiny-dflash": "DFlash"}.get(fam, drafter)
 
 
 def greedy_cell(r: dict) -> str:
@@ -303,6 +303,7 @@ TABLES: dict[str, tuple[str, object]] = {
     "smollm2_families_bf16": ("eval/reference/smollm2_families_bf16_report.json", smollm2_dtype),
     "smollm2_families_bf16_cost_curve": ("eval/reference/smollm2_families_bf16_report.json", smollm2_curve),
     "smollm2_sweep": ("eval/reference/smollm2_sweep.json", smollm2_sweep),
+    "tiny_dflash": ("eval/reference/tiny_dflash_report.json", smollm2_dtype),
     "smollm2_plain_speed_bf16": ("eval/reference/smollm2_plain_speed_bf16_report.json", plain_speed),
     "smollm2_plain_speed_fp32": ("eval/reference/smollm2_plain_speed_fp32_report.json", plain_speed),
     "smollm2_sweep_tree": ("eval/reference/smollm2_sweep_tree.json", smollm2_sweep),

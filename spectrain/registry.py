@@ -115,7 +115,7 @@ class TrainSide:
     head: Ref
     features: FeatureSpec | Ref
     build: Ref = ""
-    section: type | None = None
+    section: type | Ref | None = None  # a dataclass, or "module:Class" (resolved on use, like the hooks)
     validate: Ref = ""
     preflight: Ref = ""
     cost: Ref = ""
@@ -269,3 +269,9 @@ register(Family(
                  "llama.cpp-draft": (_E + "llama_cpp:export_llama_cpp_draft", _E + "llama_cpp:validate_llama_cpp_draft")},
         engines={"hf-draft": ("vllm", "sglang", "trtllm")}, command=_D + "draft_lm_serve:serve_command"),
     capabilities=frozenset({"on_policy"})))
+register(Family(
+    "dflash", "DFlash block drafters",
+    train=TrainSide(head=_D + "dflash.model:DFlashHead", features=_D + "dflash.model:features_for",
+                    section=_D + "dflash:DFlashConfig", validate=_D + "dflash:check_recipe"),
+    decode=DecodeSide(drafter=_D + "dflash.decode:load"),
+    capabilities=frozenset({"one_pass"})))

@@ -45,7 +45,7 @@ def _write(tmp_path: Path, raw: dict) -> Path:
     ({"training": {"epochs": 1.5}}, r"training.epochs: expected an integer"),
     ({"target": {"trust_remote_code": "yes"}}, r"target.trust_remote_code: expected true or false"),
     ({"target": {"name_or_path": 12}}, r"target.name_or_path: expected a string"),
-    ({"drafter": {"kind": "eagle4"}}, r"drafter.kind: 'eagle4' is not one of eagle3, medusa, draft, ngram"),
+    ({"drafter": {"kind": "eagle4"}}, r"drafter.kind: 'eagle4' is not one of eagle3, medusa, draft, dflash, ngram"),
     ({"drafter": {"loss": "kl"}}, r"drafter.loss: 'kl' is not one of"),
     ({"tracking": {"report_to": ["jsonl", "mlflow"]}}, r"tracking.report_to\[1\]: 'mlflow' is not one of"),
     ({"drafter": {"eagle3": {"aux_layers": [1, "x"]}}}, r"drafter.eagle3.aux_layers\[1\]: expected an integer"),

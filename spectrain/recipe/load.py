@@ -129,7 +129,7 @@ def _build(cls, raw: dict, where: str = ""):
 def _family_section(key: str) -> type | None:
     """The recipe section a family registered outside the schema adds under drafter.<key> (None: not one)."""
     fam = registry.FAMILIES.get(key)
-    return fam.train.section if fam is not None else None
+    return registry.resolve(fam.train.section) if fam is not None and fam.train.section else None
 
 
 # ---- validation ------------------------------------------------------------------------------------------
