@@ -151,11 +151,6 @@ class Family:
     serve: ServeSide = field(default_factory=ServeSide)
     capabilities: frozenset[str] = frozenset()
 
-    @property
-    def exports(self) -> dict[str, tuple[Ref, Ref]]:
-        """``serve.exports`` under its name in the flat record, which spectrain/eval/engine.py still reads."""
-        return self.serve.exports
-
 
 FAMILIES: dict[str, Family] = {}
 TRAINING_FREE = ("ngram",)  # drafter kinds with nothing to train

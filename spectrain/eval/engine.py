@@ -114,12 +114,12 @@ def resolve_drafter(spec: str, target: str, work: Path) -> EngineDrafter:
     verify(src, "drafter", fix="use another checkpoint (e.g. the run's last/ or a step-N/) or re-export it",
            warn_missing=False, required=(src / "drafter_config.json").is_file())
     kind = json.loads((src / "drafter_config.json").read_text()).get("kind")
-    fmt = next((f for f in registry.family(kind).exports if f.startswith("llama.cpp-")), None)
+    fmt = next((f for f in registry.family(kind).serve.exports if f.startswith("llama.cpp-")), None)
     if fmt is None:
         raise ValueError(f"{spec}: llama.cpp serves no {registry.family(kind).title} (it has EAGLE-3 heads, draft "
                          "models and n-gram modes only): evaluate it with `spectrain eval` instead")
     out = work / f"export-{len(list(work.glob('export-*')))}"
-    registry.resolve(registry.family(kind).exports[fmt][0])(src, out, target)
+    registry.resolve(registry.family(kind).serve.exports[fmt][0])(src, out, target)
     served = resolve_drafter(str(out / GGUF_NAME), target, work)
     return EngineDrafter(spec, served.model, served.spec_type, served.weight_type)
 

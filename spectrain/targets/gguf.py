@@ -46,7 +46,15 @@ from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURE
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from spectrain.io.cache import cache_root as shared_cache_root
-from spectrain.io.integrity import MANIFEST, IntegrityError, problems, read_manifest, seal, sha256
+from spectrain.io.integrity import (
+    MANIFEST,
+    IntegrityError,
+    problems,
+    read_manifest,
+    seal,
+    sha256,
+    untrusted_file,
+)
 
 MARKER = "spectrain_gguf.json"
 
@@ -156,15 +164,6 @@ def dequantized_checkpoint(folder: Path, name: str) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def untrusted_file(path: Path, st: os.stat_result) -> str | None:
-    """Why a cache file cannot be trusted: another user owns it, or others can write it (a shared cache dir)."""
-    if st.st_uid != os.getuid():
-        return f"{path} belongs to another user (uid {st.st_uid})"
-    if st.st_mode & 0o022:
-        return f"{path} is writable by its group or by other users"
-    return None
 
 
 def _entry_files(out: Path) -> set[str]:
