@@ -36,6 +36,13 @@ ACCUMULATION = 2.0 ** -8
 OUTPUT_ROUNDING = 2.0 ** -8
 
 
+def check_mode(logits: str) -> str:
+    """A target's logits mode, or the one-line refusal (load_target checks it before loading any weights)."""
+    if logits not in MODES:
+        raise ValueError(f"logits={logits!r}: use one of {', '.join(MODES)} (spectrain/targets/logits.py)")
+    return logits
+
+
 class TargetHead:
     """The final norm + lm_head of a 16-bit target, in ``mode`` (module doc). Built once per target."""
 

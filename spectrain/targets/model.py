@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from spectrain.recipe.deploy import eagle_default_aux
 from spectrain.targets.auto_dtype import DtypeChoice, auto_cpu_dtype
 from spectrain.targets.gguf import gguf_info, resolve_target_path
-from spectrain.targets.logits import MODES, TargetHead
+from spectrain.targets.logits import TargetHead, check_mode
 
 DTYPES = {
     "float32": torch.float32,
@@ -79,8 +79,7 @@ class FrozenTarget:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keeps_logits = "logits_to_keep" in params
-        if logits not in MODES:
-            raise ValueError(f"logits={logits!r}: use one of {', '.join(MODES)} (spectrain/targets/logits.py)")
+        check_mode(logits)
         self.fp32_logits = fp32_logits  # 16-bit targets: fp32 logits where they decide a token (module doc)
         self.logits_mode = logits if fp32_logits else "native"
         self._head: TargetHead | None = None
@@ -336,8 +335,7 @@ def load_target(
         ) from e
     if device_map is None:
         model.to(device)
-    if logits not in MODES:
-        raise ValueError(f"logits={logits!r}: use one of {', '.join(MODES)} (spectrain/targets/logits.py)")
+    check_mode(logits)  # before any weights load
     logits = logits if fp32_logits else "native"
     choice = _dtype_choice(model, dtype, device, device_map, name_or_path, verify_tokens, logits)
     if choice.torch_dtype != torch_dtype:  # `auto` measured bf16 faster on this CPU
