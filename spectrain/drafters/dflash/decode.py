@@ -1,8 +1,8 @@
 """DFlash decoding: the whole chain from one draft forward.
 
 The context vectors of committed positions arrive as target features after every verify pass (the decoding loops
-hand over the features of every committed token but the newest) and are kept: only committed tokens ever enter, so
-nothing rolls back. Each layer projects them to keys / values per proposal (a [P, H] matmul per layer). A proposal is one forward over the block
+hand over the features of every committed token but the newest); each layer's keys / values of them are appended to
+a cache once, and nothing rolls back, since only committed tokens ever enter it. A proposal is one forward over the block
 [newest token, mask x k] at positions P .. P + k; slot i drafts token P + i. Sampling draws each slot from its own
 warped distribution q_i, which does not depend on the other slots' draws: exact rejection sampling holds per slot.
 """
@@ -29,19 +29,14 @@ class DFlashProposer(Drafter):
         return FeatureSpec(tuple(self.model.aux_layers))
 
     def begin(self, prompt: torch.Tensor | None) -> None:
-        self.ctx = None  # [n, H] context vectors of committed positions 0 .. n - 1
+        self.n = 0  # committed positions 0 .. n - 1 in the cache
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: keys, values [1, heads, n, hd]
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Proposal:
-        f = ctx.features
-        if f is not None and len(f):
-            if f.start != (0 if self.ctx is None else self.ctx.shape[0]):
-                raise RuntimeError(f"DFlash drafter: features start at position {f.start}, expected "
-                                   f"{0 if self.ctx is None else self.ctx.shape[0]} (a decoding loop skipped some)")
-            new = self.model.context(f.aux)
-            self.ctx = new if self.ctx is None else torch.cat([self.ctx, new])
+        self._add_context(ctx.features)
         P = ctx.tokens.shape[0] - 1
-        if self.ctx is None or self.ctx.shape[0] != P:
+        if self.n != P or P == 0:
             return Proposal(tokens=ctx.tokens.new_empty(0))  # no context yet (a one-token prompt): draft nothing
         k = min(ctx.k, self.block_size - 1)
         dev = ctx.tokens.device
@@ -49,14 +44,26 @@ class DFlashProposer(Drafter):
         block[0] = ctx.tokens[-1]
         emb = self.target.embed(block)
         mask = torch.ones(k + 1, P + k + 1, dtype=torch.bool, device=dev)  # the whole context and the whole block
-        logits = self.model.block_logits(self.target, emb, torch.arange(P, P + k + 1, device=dev), self.ctx,
-                                         torch.arange(P, device=dev), mask)[1:]
+        logits = self.model.block_logits(self.target, emb, torch.arange(P, P + k + 1, device=dev), self.kv, mask)[1:]
         sampler = ctx.sampler
         if sampler.temperature == 0:
             return Proposal(tokens=logits.argmax(-1))
         probs = torch.stack([sampler.probs(row) for row in logits])
         tokens = torch.multinomial(probs, 1, generator=sampler.generator)[:, 0]
         return Proposal(tokens=tokens, probs=probs)
+
+    def _add_context(self, f) -> None:
+        """Append the new committed positions' keys / values to every layer's cache."""
+        if f is None or not len(f):
+            return
+        if f.start != self.n:
+            raise RuntimeError(f"DFlash drafter: features start at position {f.start}, expected {self.n} (a decoding "
+                               "loop skipped some)")
+        pos = torch.arange(self.n, self.n + len(f), device=f.aux.device)
+        new = self.model.context_kv(self.model.context(f.aux), pos)
+        self.kv = new if self.kv is None else [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
+                                               for (k, v), (nk, nv) in zip(self.kv, new)]
+        self.n += len(f)
 
 
 def load(path, target) -> DFlashProposer:

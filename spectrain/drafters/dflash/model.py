@@ -153,14 +153,18 @@ class DFlashHead(nn.Module):
         """Context vectors [.., n, H] from the concatenated aux states [.., n, len(aux_layers) * H]."""
         return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
 
-    def block_logits(self, target, emb, block_pos, ctx, ctx_pos, mask) -> torch.Tensor:
-        """emb [m, H] block inputs at positions block_pos [m]; ctx [n, H] at ctx_pos [n]; mask [m, n + m].
-        Returns fp32 logits [m, V]: the head's own final norm, then the target's frozen lm_head."""
+    def context_kv(self, ctx: torch.Tensor, ctx_pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys (rotated) and values of context vectors ctx [n, H] at positions ctx_pos [n]."""
+        cos, sin = self.rotary(ctx[None], ctx_pos[None])
+        return [layer.kv(ctx[None], cos, sin) for layer in self.layers]
+
+    def block_logits(self, target, emb, block_pos, ctx_kv, mask) -> torch.Tensor:
+        """emb [m, H] block inputs at positions block_pos [m]; ctx_kv the context's keys / values per layer
+        (``context_kv``, n positions); mask [m, n + m]. Returns fp32 logits [m, V]: the head's own final norm, then
+        the target's frozen lm_head."""
         x = emb[None].to(self.fc.weight.dtype)
-        cos_c, sin_c = self.rotary(x, ctx_pos[None])
         cos_b, sin_b = self.rotary(x, block_pos[None])
-        for layer in self.layers:
-            ck, cv = layer.kv(ctx[None], cos_c, sin_c)
+        for layer, (ck, cv) in zip(self.layers, ctx_kv):
             x = layer(x, cos_b, sin_b, ck, cv, mask[None, None])
         head = target.lm_head
         return head(self.norm(x[0]).to(head.weight.dtype)).float()
@@ -220,7 +224,7 @@ class DFlashHead(nn.Module):
         sees_ctx = torch.arange(L, device=dev)[None, :] < anchors[owner][:, None]  # context before the anchor
         same_block = owner[:, None] == owner[None, :]
         mask = torch.cat([sees_ctx, same_block], 1)
-        logits = self.block_logits(target, emb, block_pos, ctx, torch.arange(L, device=dev), mask)
+        logits = self.block_logits(target, emb, block_pos, self.context_kv(ctx, torch.arange(L, device=dev)), mask)
         student = logits.view(N, B, -1)[:, 1:]
         pred = (anchors[:, None] + slots[None, 1:])  # positions of the drafted tokens [N, B-1]
         inside = pred < L
